@@ -1,0 +1,309 @@
+"""fastgrpo's public loss API: per-token logprobs and the GRPO loss, straight from hidden states.
+
+Backends (the environment variable FASTGRPO_BACKEND forces one):
+  auto       CUDA tensors -> triton (the chunked torch path under `torch.use_deterministic_algorithms(True)`,
+             since the kernels reduce gradients with atomics); CPU tensors -> torch
+  triton     the fused kernels in fastgrpo.kernels (on CPU only under TRITON_INTERPRET=1)
+  torch      the chunked PyTorch path (bounded memory) and the reference's elementwise loss math
+  reference  fastgrpo.reference: full logits; the yardstick
+"""
+
+import math
+import os
+
+import torch
+from torch import nn
+
+from fastgrpo import chunked, reference
+from fastgrpo.loss_config import CLIP_LOSS_TYPES, LossConfig
+
+__all__ = ["LossConfig", "GRPOLoss", "token_logprobs", "grpo_loss", "fused_grpo_loss", "resolve_backend"]
+
+BACKENDS = ("auto", "triton", "torch", "reference")
+
+
+def resolve_backend(device: torch.device) -> str:
+    """The backend that runs for tensors on `device`, after FASTGRPO_BACKEND."""
+    choice = os.environ.get("FASTGRPO_BACKEND", "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"FASTGRPO_BACKEND must be one of {BACKENDS}, got {choice!r}")
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if choice == "auto":
+        if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
+            return "triton"
+        return "torch"
+    if choice == "triton" and device.type != "cuda" and not interpreted:
+        raise ValueError(f"FASTGRPO_BACKEND=triton needs CUDA tensors or TRITON_INTERPRET=1; tensors are on {device}")
+    return choice
+
+
+# -- input checks: every message names the argument and what was expected --------------------------------------
+
+
+def _check_float(name, t, ndim=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+
+
+def _check_same_device(ref_name, ref, **tensors):
+    for name, t in tensors.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; expected the same device")
+
+
+def _check_head(hidden, weight, bias, token_ids, valid=None):
+    _check_float("hidden", hidden)
+    _check_float("weight", weight, ndim=2)
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must have shape [..., H] with H = weight.shape[1] = {weight.shape[1]}, got {tuple(hidden.shape)}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}; expected the same dtype")
+    if bias is not None:
+        _check_float("bias", bias, ndim=1)
+        if bias.shape[0] != weight.shape[0] or bias.dtype != weight.dtype:
+            raise ValueError(f"bias must be [{weight.shape[0]}] of dtype {weight.dtype}, got "
+                             f"{tuple(bias.shape)} {bias.dtype}")
+    if not isinstance(token_ids, torch.Tensor) or token_ids.is_floating_point() or token_ids.is_complex() or (
+        token_ids.dtype == torch.bool
+    ):
+        raise TypeError(f"token_ids must be an integer tensor, got {getattr(token_ids, 'dtype', type(token_ids))}")
+    if token_ids.shape != hidden.shape[:-1]:
+        raise ValueError(f"token_ids must have shape {tuple(hidden.shape[:-1])} (hidden's leading dims), "
+                         f"got {tuple(token_ids.shape)}")
+    _check_same_device("hidden", hidden, weight=weight, bias=bias, token_ids=token_ids)
+    V = weight.shape[0]
+    out_of_range = (token_ids < 0) | (token_ids >= V)
+    if valid is not None:
+        out_of_range &= valid
+    if out_of_range.any():
+        bad = token_ids[out_of_range][:5].tolist()
+        raise ValueError(f"token_ids must lie in [0, {V}) on valid tokens; found {bad}")
+
+
+def _check_temperature(temperature):
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+        math.isfinite(temperature) and temperature > 0
+    ):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+
+
+def _check_loss_inputs(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch):
+    if not isinstance(config, LossConfig):
+        raise TypeError(f"config must be a fastgrpo.loss.LossConfig, got {type(config).__name__}")
+    _check_float("logps", logps, ndim=2)
+    if not isinstance(completion_mask, torch.Tensor) or completion_mask.shape != logps.shape:
+        raise ValueError(f"completion_mask must be a tensor of shape {tuple(logps.shape)}, got "
+                         f"{tuple(getattr(completion_mask, 'shape', ()))}")
+    _check_float("advantages", advantages)
+    B, T = logps.shape
+    if advantages.shape not in ((B,), (B, T)):
+        raise ValueError(f"advantages must have shape [{B}] or [{B}, {T}], got {tuple(advantages.shape)}")
+    for name, t in (("old_logps", old_logps), ("ref_logps", ref_logps)):
+        if t is not None:
+            _check_float(name, t)
+            if t.shape != logps.shape:
+                raise ValueError(f"{name} must have shape {tuple(logps.shape)}, got {tuple(t.shape)}")
+    if config.beta != 0.0 and ref_logps is None:
+        raise ValueError(f"ref_logps is required when config.beta != 0 (beta = {config.beta})")
+    _check_same_device("logps", logps, completion_mask=completion_mask, advantages=advantages, old_logps=old_logps,
+                       ref_logps=ref_logps)
+    if not torch.isfinite(advantages).all():
+        raise ValueError("advantages must be finite; found NaN or inf")
+    if num_items_in_batch is not None:
+        items = torch.as_tensor(num_items_in_batch)
+        if items.numel() != 1 or not torch.isfinite(items.float()).all() or items.item() < 0:
+            raise ValueError(f"num_items_in_batch must be one finite number >= 0, got {num_items_in_batch!r}")
+
+
+# -- public API -----------------------------------------------------------------------------------------------------
+
+
+def _token_offsets(hidden, index):
+    """Element offset of each indexed token vector of hidden [..., H] (any strides): int64 [N]."""
+    offsets = torch.zeros((), dtype=torch.int64, device=hidden.device)
+    for dim, (size, stride) in enumerate(zip(hidden.shape[:-1], hidden.stride()[:-1])):
+        shape = [1] * (hidden.dim() - 1)
+        shape[dim] = size
+        offsets = offsets + torch.arange(size, device=hidden.device).view(shape) * stride
+    return offsets.reshape(-1)[index]
+
+
+def _selected_logprobs(hidden, weight, bias, token_ids, valid, temperature, backend):
+    """logp and entropy [N] fp32 (>= fp32) of the tokens where `valid` ([...] bool, or None for all), plus their
+    flat index into hidden's leading dims."""
+    H = hidden.shape[-1]
+    flat_ids = token_ids.reshape(-1)
+    index = (torch.arange(flat_ids.numel(), device=hidden.device) if valid is None
+             else valid.reshape(-1).nonzero().squeeze(1))
+    ids = flat_ids[index]
+    if backend == "triton":
+        from fastgrpo.kernels.logprob import LinearLogprobFunction
+
+        if hidden.stride(-1) != 1:
+            hidden = hidden.contiguous()
+        return (*LinearLogprobFunction.apply(hidden, weight.contiguous(), bias, index, _token_offsets(hidden, index),
+                                             ids, float(temperature)), index)
+    x = hidden.reshape(-1, H)[index]  # [N, H]
+    return (*chunked.ChunkedLinearLogprobFunction.apply(x, weight, bias, ids, float(temperature)), index)
+
+
+def token_logprobs(hidden, weight, token_ids, *, bias=None, temperature=1.0, return_entropy=False):
+    """Per-token log-probabilities (and entropies) of `token_ids` under the lm_head, without full-vocab logits.
+
+    hidden [..., H], weight [V, H], bias [V] or None, token_ids [...] -> (logp [...], entropy [...] or None), fp32
+    (fp64 for fp64 inputs); differentiable w.r.t. hidden, weight and bias. Exact equivalent:
+    `F.linear(hidden, weight, bias).float().div(temperature).log_softmax(-1).gather(-1, ids[..., None])[..., 0]`,
+    except that the logits are never rounded to the input dtype.
+    """
+    _check_head(hidden, weight, bias, token_ids)
+    _check_temperature(temperature)
+    backend = resolve_backend(hidden.device)
+    if backend == "reference":
+        return reference.token_logprobs(hidden, weight, token_ids, bias=bias, temperature=temperature,
+                                        return_entropy=return_entropy)
+    logp, ent, _ = _selected_logprobs(hidden, weight, bias, token_ids, None, temperature, backend)
+    shape = token_ids.shape
+    return logp.view(shape), ent.view(shape) if return_entropy else None
+
+
+def _row_weights(mask, config, num_items_in_batch):
+    """w_b such that loss = sum_b w_b sum_t m_bt l_bt, for each loss type's normalisation (TRL 1.16)."""
+    B = mask.shape[0]
+    lengths = mask.sum(-1)  # [B]
+    t = config.loss_type
+    if t in ("grpo", "sapo"):
+        return 1.0 / (B * lengths.clamp(min=1.0))
+    if t == "bnpo":
+        norm = mask.sum().clamp(min=1.0)
+    elif t == "dr_grpo":
+        norm = torch.tensor(float(B * config.max_completion_length), device=mask.device)
+    elif t in ("dapo", "cispo"):
+        items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=mask.device)
+        norm = items.float().clamp(min=1.0)
+    else:  # luspo
+        norm = torch.tensor(float(B), device=mask.device)
+    return (1.0 / norm).expand(B).contiguous()
+
+
+def _nan_reduce(x, fn):
+    finite = x[~torch.isnan(x)]
+    return fn(finite) if finite.numel() else torch.tensor(float("nan"), device=x.device)
+
+
+def _kernel_metrics(row_stats, mask, advantages, config, entropies):
+    """TRL's metrics from the kernel's per-row sums [NUM_ROW_STATS, B] (see kernels/grpo_token.py)."""
+    _, kl_rows, low_rows, high_rows, region_rows = row_stats
+    lengths = mask.sum(-1)  # [B]
+    total = lengths.sum().clamp(min=1.0)
+    metrics = {}
+    if config.beta != 0.0:
+        metrics["kl"] = kl_rows.sum() / total
+    if entropies is not None:
+        metrics["entropy"] = (entropies.detach() * mask).sum() / total
+    # TRL reduces a clip indicator per sequence when both the ratio and the advantage are one per sequence.
+    per_sequence = config.importance_sampling_level == "sequence" and advantages.dim() == 1
+    if per_sequence:
+        seq = lambda rows: rows / lengths.clamp(min=1.0)  # the row's single 0/1 indicator
+        mean = lambda rows: seq(rows).sum() / max(rows.numel(), 1)
+    else:
+        seq = lambda rows: rows / lengths  # NaN for empty rows, dropped by the nan reductions
+        mean = lambda rows: rows.sum() / total
+    if config.loss_type in CLIP_LOSS_TYPES:
+        metrics["clip_ratio/low_mean"] = mean(low_rows)
+        metrics["clip_ratio/high_mean"] = mean(high_rows)
+        metrics["clip_ratio/region_mean"] = mean(region_rows)
+        metrics["clip_ratio/low_min"] = _nan_reduce(seq(low_rows), torch.min)
+        metrics["clip_ratio/high_max"] = _nan_reduce(seq(high_rows), torch.max)
+    elif config.loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = mean(low_rows)
+    return metrics
+
+
+def _grpo_loss(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch, entropies,
+               backend):
+    if backend != "triton":
+        return reference.grpo_loss(logps, completion_mask, advantages, old_logps=old_logps, ref_logps=ref_logps,
+                                   config=config, num_items_in_batch=num_items_in_batch, entropies=entropies)
+    from fastgrpo.kernels.grpo_token import GRPOTokenLossFunction
+
+    f32 = lambda t: None if t is None else t.detach().to(torch.float32).contiguous()
+    mask = completion_mask.to(torch.float32).contiguous()
+    loss, row_stats = GRPOTokenLossFunction.apply(
+        logps.float().contiguous(), f32(old_logps), f32(ref_logps), f32(advantages), mask,
+        _row_weights(mask, config, num_items_in_batch), config,
+    )
+    return loss, _kernel_metrics(row_stats, mask, advantages, config, entropies)
+
+
+def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=None, config: LossConfig,
+              num_items_in_batch=None, entropies=None):
+    """The GRPO loss of TRL 1.16 from per-token logprobs.
+
+    logps [B, T] (differentiable), completion_mask [B, T], advantages [B] or [B, T], old_logps / ref_logps [B, T]
+    (old_logps=None: on-policy, `logps.detach()`), entropies [B, T] (optional, for the `entropy` metric).
+    Returns (loss [], metrics: dict of 0-dim tensors with TRL's names). Exact equivalent: `fastgrpo.reference.grpo_loss`.
+    """
+    _check_loss_inputs(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch)
+    return _grpo_loss(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch,
+                      entropies, resolve_backend(logps.device))
+
+
+def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, *, bias=None, old_logps=None,
+                    ref_logps=None, config: LossConfig, num_items_in_batch=None):
+    """The GRPO loss straight from the policy's last hidden states, never forming the [B, T, V] logits.
+
+    hidden [B, T, H] (the states that predict completion_ids), weight [V, H] (lm_head), bias [V] or None,
+    completion_ids / completion_mask [B, T]; the rest as in `grpo_loss`. Only tokens with completion_mask != 0
+    are scored. Returns (loss, metrics). Exact equivalent: `fastgrpo.reference.fused_grpo_loss`.
+    """
+    if not isinstance(config, LossConfig):
+        raise TypeError(f"config must be a fastgrpo.loss.LossConfig, got {type(config).__name__}")
+    _check_float("hidden", hidden, ndim=3)
+    if not isinstance(completion_mask, torch.Tensor) or completion_mask.shape != hidden.shape[:2]:
+        raise ValueError(f"completion_mask must be a tensor of shape {tuple(hidden.shape[:2])}, got "
+                         f"{tuple(getattr(completion_mask, 'shape', ()))}")
+    valid = completion_mask != 0
+    _check_head(hidden, weight, bias, completion_ids, valid)
+    backend = resolve_backend(hidden.device)
+    if backend == "reference":
+        _check_loss_inputs(hidden.new_zeros(hidden.shape[:2], dtype=torch.float32), completion_mask, advantages,
+                           old_logps, ref_logps, config, num_items_in_batch)
+        return reference.fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias=bias,
+                                         old_logps=old_logps, ref_logps=ref_logps, config=config,
+                                         num_items_in_batch=num_items_in_batch)
+    logp, ent, index = _selected_logprobs(hidden, weight, bias, completion_ids, valid, config.temperature, backend)
+    B, T = completion_mask.shape
+    logps = logp.new_zeros(B * T).index_copy(0, index, logp).view(B, T)  # differentiable scatter
+    entropies = ent.detach().new_zeros(B * T).index_copy_(0, index, ent.detach()).view(B, T)
+    _check_loss_inputs(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch)
+    return _grpo_loss(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch,
+                      entropies, backend)
+
+
+class GRPOLoss(nn.Module):
+    """`fused_grpo_loss` as a module holding its `LossConfig`.
+
+    loss_fn = GRPOLoss(LossConfig(loss_type="dapo", beta=0.04))
+    loss, metrics = loss_fn(hidden, model.lm_head.weight, completion_ids, completion_mask, advantages, ...)
+    """
+
+    def __init__(self, config: LossConfig | None = None, **overrides):
+        super().__init__()
+        if config is not None and overrides:
+            raise ValueError("pass either config or keyword overrides, not both")
+        self.config = config if config is not None else LossConfig(**overrides)
+
+    def forward(self, hidden, weight, completion_ids, completion_mask, advantages, *, bias=None, old_logps=None,
+                ref_logps=None, num_items_in_batch=None):
+        return fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias=bias,
+                               old_logps=old_logps, ref_logps=ref_logps, config=self.config,
+                               num_items_in_batch=num_items_in_batch)
+
+    def extra_repr(self) -> str:
+        return repr(self.config)

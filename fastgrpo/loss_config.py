@@ -1,0 +1,57 @@
+"""The loss's options: one frozen dataclass, validated on construction, defaults equal to TRL 1.16's GRPOConfig."""
+
+import math
+from dataclasses import dataclass
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+# Loss types that clip the ratio PPO-style and log TRL's clip_ratio/* metrics.
+CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+@dataclass(frozen=True, slots=True)
+class LossConfig:
+    """Options of the GRPO objective, named as in TRL's `GRPOConfig`.
+
+    `epsilon_low` is TRL's `epsilon`; `epsilon_high=None` means equal to `epsilon_low` (TRL's rule). For `cispo`,
+    `epsilon_high` is the absolute cap of the importance weight (ScaleRL recommends 5.0). `max_completion_length` is
+    the `dr_grpo` normaliser. `sapo_temperature_*` are SAPO's gate temperatures.
+    """
+
+    loss_type: str = "dapo"
+    epsilon_low: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    beta: float = 0.0
+    temperature: float = 1.0
+    importance_sampling_level: str = "token"
+    use_bias_correction_kl: bool = True
+    max_completion_length: int = 512
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.epsilon_high is None:
+            object.__setattr__(self, "epsilon_high", self.epsilon_low)
+        for name in ("epsilon_low", "epsilon_high", "beta"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        for name in ("temperature", "sapo_temperature_pos", "sapo_temperature_neg"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.delta is not None and not (isinstance(self.delta, (int, float)) and math.isfinite(self.delta)
+                                           and self.delta > 0):
+            raise ValueError(f"delta must be None or a finite number > 0, got {self.delta!r}")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            raise ValueError(
+                f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}"
+            )
+        if not isinstance(self.use_bias_correction_kl, bool):
+            raise TypeError(f"use_bias_correction_kl must be a bool, got {self.use_bias_correction_kl!r}")
+        if isinstance(self.max_completion_length, bool) or not isinstance(self.max_completion_length, int) or (
+            self.max_completion_length <= 0
+        ):
+            raise ValueError(f"max_completion_length must be a positive int, got {self.max_completion_length!r}")

@@ -1,0 +1,1 @@
+"""Triton kernels of fastgrpo, one op per file; installed as `fastgrpo.kernels`."""

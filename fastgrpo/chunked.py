@@ -43,10 +43,10 @@ class ChunkedLinearLogprobFunction(torch.autograd.Function):
         for start in range(0, N, _chunk_tokens(V)):
             sl = slice(start, start + _chunk_tokens(V))
             z = _chunk_logits(x[sl], w, bias, 1.0 / temperature)  # [C, V]
-            lse_c = torch.logsumexp(z, dim=-1)  # [C]
-            logp[sl] = z.gather(-1, ids[sl, None]).squeeze(-1) - lse_c
-            ent[sl] = lse_c - (torch.softmax(z, dim=-1) * z).sum(-1)
-            lse[sl] = lse_c
+            lse[sl] = torch.logsumexp(z, dim=-1)  # [C]
+            z -= lse[sl, None]  # log-softmax, in place; centred so the entropy has no cancellation
+            logp[sl] = z.gather(-1, ids[sl, None]).squeeze(-1)
+            ent[sl] = -(z.exp() * z).sum(-1)
         ctx.save_for_backward(x, weight, bias, ids, lse, ent)
         ctx.temperature = temperature
         return logp, ent
@@ -63,16 +63,16 @@ class ChunkedLinearLogprobFunction(torch.autograd.Function):
         db = None if bias is None else torch.zeros(V, dtype=acc_dtype, device=x.device)
         for start in range(0, N, _chunk_tokens(V)):
             sl = slice(start, start + _chunk_tokens(V))
-            z = _chunk_logits(x[sl], w, bias, inv_t)  # [C, V]
-            p = torch.exp(z - lse[sl, None])  # [C, V]
-            dz = torch.zeros_like(z)
+            log_p = _chunk_logits(x[sl], w, bias, inv_t).sub_(lse[sl, None])  # [C, V]
+            p = log_p.exp()
+            dz = torch.zeros_like(log_p)
             if grad_logp is not None:
                 g = grad_logp[sl, None].to(acc_dtype)  # [C, 1]
                 dz -= g * p
                 dz.scatter_add_(-1, ids[sl, None], g)
             if grad_ent is not None:
-                ez = (lse[sl] - ent[sl])[:, None]  # E_p[z], [C, 1]
-                dz -= grad_ent[sl, None].to(acc_dtype) * p * (z - ez)
+                # dH/dz = -p (log p + H): z - E_p[z] written without the cancellation of two large terms
+                dz -= grad_ent[sl, None].to(acc_dtype) * p * (log_p + ent[sl, None])
             dz *= inv_t
             if db is not None:
                 db += dz.sum(0)

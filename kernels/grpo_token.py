@@ -24,8 +24,8 @@ import triton.language as tl
 
 # Loss types as constexpr ints at the launcher boundary.
 LOSS_TYPES = {"grpo": 0, "bnpo": 1, "dr_grpo": 2, "dapo": 3, "luspo": 4, "cispo": 5, "sapo": 6}
-_CISPO: tl.constexpr = 5
-_SAPO: tl.constexpr = 6
+_CISPO = tl.constexpr(5)
+_SAPO = tl.constexpr(6)
 # Per-row outputs, in this order: weighted loss, sum m*kl, sum m*low, sum m*high, sum m*region (cispo: clipped).
 NUM_ROW_STATS = 5
 

@@ -1,0 +1,49 @@
+"""Shared test helpers: three-way comparisons with verbose failures, and GRPO problem builders."""
+
+import torch
+
+# Allowed error of a fast path beyond the same-dtype torch reference's own error, relative to the value's scale.
+# fp32: both are ~1e-6 off float64; the kernels' different summation order adds a few ulps over V terms.
+# bf16: the fast paths keep fp32 logits where torch rounds them to bf16, so they are usually *closer* to float64.
+EXTRA_TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def describe_mismatch(name, got, want, limit):
+    diff = (got.double() - want.double()).abs()
+    bad = (diff > limit).nonzero()[:5].tolist()
+    return (f"{name}: max err {diff.max().item():.3e}, mean err {diff.mean().item():.3e}, limit {limit:.3e}, "
+            f"first mismatches at {bad}: got {[got[tuple(i)].item() for i in bad]} want "
+            f"{[want[tuple(i)].item() for i in bad]}")
+
+
+def assert_no_worse(name, fast, same_dtype_ref, truth, dtype):
+    """The fast path's error vs float64 truth is at most the same-dtype reference's error plus EXTRA_TOL[dtype]."""
+    assert fast.shape == truth.shape, f"{name}: shape {tuple(fast.shape)} != {tuple(truth.shape)}"
+    assert torch.isfinite(fast).all(), f"{name}: non-finite values in the fast path"
+    scale = truth.double().abs().max().clamp(min=1.0).item()
+    ref_err = (same_dtype_ref.double() - truth.double()).abs().max().item()
+    limit = 1.5 * ref_err + EXTRA_TOL[dtype] * scale
+    err = (fast.double() - truth.double()).abs().max().item()
+    assert err <= limit, describe_mismatch(name, fast, truth, limit)
+
+
+def assert_close(name, got, want, atol, rtol=0.0):
+    limit = atol + rtol * want.double().abs().max().item()
+    err = (got.double() - want.double()).abs().nan_to_num(0.0).max().item() if got.numel() else 0.0
+    assert torch.equal(got.isnan(), want.isnan()), f"{name}: NaN pattern differs: {got} vs {want}"
+    assert err <= limit, describe_mismatch(name, got, want, limit)
+
+
+def make_head(N_shape, H, V, seed=0, scale=1.0, bias=False, dtype=torch.float64):
+    """hidden [*N_shape, H], weight [V, H], bias [V] or None, ids [*N_shape]; logits of std ~scale."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*N_shape, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * (scale / H**0.5)
+    b = torch.randn(V, generator=g, dtype=torch.float64) * 0.1 if bias else None
+    ids = torch.randint(0, V, N_shape, generator=g)
+    cast = lambda t: None if t is None else t.to(dtype)
+    return cast(hidden), cast(weight), cast(b), ids
+
+
+def leaf(t, dtype):
+    return None if t is None else t.detach().to(dtype).clone().requires_grad_()

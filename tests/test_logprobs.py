@@ -1,0 +1,87 @@
+"""token_logprobs: the fused Triton kernel (interpreter, fp32) and the chunked torch path vs the full-logits reference."""
+
+import pytest
+import torch
+from helpers import assert_close, assert_no_worse, leaf, make_head
+
+from fastgrpo import reference
+from fastgrpo.loss import token_logprobs
+
+# (backend, dtype) pairs that run on CPU; the interpreter's tl.dot is only exact in fp32.
+CPU_PATHS = [("torch", torch.float64), ("torch", torch.float32), ("torch", torch.bfloat16), ("triton", torch.float32)]
+SHAPES = [((37,), 70, 300), ((3, 11), 33, 129), ((4,), 16, 64), ((1,), 5, 7)]
+
+
+def _run(monkeypatch, backend, dtype, hidden, weight, bias, ids, temperature, g, h):
+    monkeypatch.setenv("FASTGRPO_BACKEND", backend)
+    x, w, b = leaf(hidden, dtype), leaf(weight, dtype), leaf(bias, dtype)
+    logp, ent = token_logprobs(x, w, ids, bias=b, temperature=temperature, return_entropy=True)
+    assert logp.dtype == ent.dtype == torch.promote_types(dtype, torch.float32)
+    ((logp * g.to(logp.dtype)).sum() + (ent * h.to(ent.dtype)).sum()).backward()
+    return {"logp": logp.detach(), "entropy": ent.detach(), "d_hidden": x.grad, "d_weight": w.grad,
+            "d_bias": None if b is None else b.grad}
+
+
+def _three_way(monkeypatch, backend, dtype, hidden, weight, bias, ids, temperature):
+    g = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    h = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    # float64 truth on the dtype-rounded inputs, the same-dtype torch reference, the fast path
+    rounded = [None if t is None else t.to(dtype).double() for t in (hidden, weight, bias)]
+    truth = _run(monkeypatch, "reference", torch.float64, *rounded, ids, temperature, g, h)
+    same = _run(monkeypatch, "reference", dtype, hidden, weight, bias, ids, temperature, g, h)
+    fast = _run(monkeypatch, backend, dtype, hidden, weight, bias, ids, temperature, g, h)
+    for name in truth:
+        if truth[name] is not None:
+            assert_no_worse(f"{backend}/{dtype}/{name}", fast[name], same[name], truth[name], dtype)
+
+
+@pytest.mark.parametrize("backend,dtype", CPU_PATHS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("temperature,bias", [(1.0, False), (0.7, True)])
+def test_matches_reference(monkeypatch, backend, dtype, shape, temperature, bias):
+    n_shape, H, V = shape
+    hidden, weight, b, ids = make_head(n_shape, H, V, scale=4.0, bias=bias)
+    _three_way(monkeypatch, backend, dtype, hidden, weight, b, ids, temperature)
+
+
+@pytest.mark.parametrize("backend,dtype", [("torch", torch.float32), ("triton", torch.float32)])
+def test_extreme_logits(monkeypatch, backend, dtype):
+    hidden, weight, _, ids = make_head((9,), 24, 200, scale=3000.0)  # logits of std ~3000
+    hidden[3] = 0.0  # all-equal logits: logp = -log V, entropy = log V
+    ids[4] = weight.double().matmul(hidden[4].double()).argmin()  # the least likely token: logp ~ -1e4
+    _three_way(monkeypatch, backend, dtype, hidden, weight, None, ids, 1.0)
+    monkeypatch.setenv("FASTGRPO_BACKEND", backend)
+    logp, ent = token_logprobs(hidden.to(dtype), weight.to(dtype), ids, return_entropy=True)
+    assert torch.isfinite(logp).all() and torch.isfinite(ent).all()
+    assert_close("uniform row logp", logp[3:4], torch.tensor([-torch.log(torch.tensor(200.0))]), atol=1e-5)
+    assert_close("uniform row entropy", ent[3:4], torch.tensor([torch.log(torch.tensor(200.0))]), atol=1e-5)
+
+
+def test_real_vocab_chunked(monkeypatch):
+    """Qwen2's vocab (151936) on the chunked path: several chunks, forward and gradients."""
+    hidden, weight, bias, ids = make_head((40,), 32, 151936, scale=4.0, bias=True)
+    _three_way(monkeypatch, "torch", torch.float32, hidden, weight, bias, ids, 0.9)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_deterministic(monkeypatch, backend):
+    hidden, weight, bias, ids = make_head((29,), 40, 333, scale=4.0, bias=True, dtype=torch.float32)
+    g = torch.randn(29)
+    runs = [_run(monkeypatch, backend, torch.float32, hidden, weight, bias, ids, 0.8, g, g) for _ in range(2)]
+    for name in runs[0]:
+        assert torch.equal(runs[0][name], runs[1][name]), name
+
+
+def test_vocab_splits_combine():
+    """The forward kernel's vocab splits merge to the same result as a single split."""
+    from fastgrpo.kernels.logprob import logprob_forward
+
+    hidden, weight, bias, ids = make_head((50,), 24, 1000, scale=4.0, bias=True, dtype=torch.float32)
+    offsets = torch.arange(50) * 24
+    one = logprob_forward(hidden, weight, bias, offsets, ids, 1.3, splits=1)
+    many = logprob_forward(hidden, weight, bias, offsets, ids, 1.3, splits=5)
+    truth, ent = reference.token_logprobs(hidden.double(), weight.double(), ids, bias=bias.double(), temperature=1.3,
+                                          return_entropy=True)
+    for a, b, want, name in zip(one[:2], many[:2], (truth, ent), ("logp", "entropy")):
+        assert_close(f"{name} (1 split)", a, want, atol=1e-5)
+        assert_close(f"{name} (5 splits)", b, want, atol=1e-5)

@@ -33,12 +33,15 @@ from fastgrpo.reference import token_logprobs  # noqa: E402
 # matmul blockings), so they differ only by fp32 rounding: ~1e-7 relative per op, amplified at most ~10x through the
 # log-softmax over V ~ 300 and the sums over ~25 tokens. rtol 1e-5 / atol 1e-6 leaves ~10x margin above that while any
 # formula difference (normaliser, mask, clipping, KL correction) shows up at >= 1e-3. Gradients go through the
-# softmax Jacobian and the 2-layer backbone's backward, summed in different orders: rtol 1e-4 / atol 1e-6.
+# softmax Jacobian and the 2-layer backbone's backward, summed in different orders: their rounding error scales with
+# the largest terms summed, not with each entry (entries near cancellation carry large *relative* error), so each
+# parameter's gradient is compared as max|diff| <= GRAD_REL * max|TRL's gradient| (observed: ~2.5e-6).
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
-GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
-# The compiled kernels on a GPU use ieee fp32 dots, but a GPU's fp32 matmul in the backbone copy may differ more.
+GRAD_REL = 2e-5
+# On a GPU, the backbone copy runs cuBLAS / cuDNN fp32 kernels (other reduction orders, possibly TF32 off only by
+# default settings), so the CUDA variant allows more rounding, still far below a formula error.
 CUDA_LOSS_TOL = {"rtol": 1e-4, "atol": 1e-5}
-CUDA_GRAD_TOL = {"rtol": 1e-3, "atol": 1e-5}
+CUDA_GRAD_REL = 1e-3
 
 VOCAB_WORDS = 293  # + 3 special tokens = 296
 PAD_ID, EOS_ID = 0, 1
@@ -248,7 +251,7 @@ def test_compute_loss_matches_trl(workdir, batch, backend, loss_type, beta, leve
     loss.backward()
     grads = _param_grads(ours_model)
 
-    loss_tol, grad_tol = (LOSS_TOL, GRAD_TOL) if device.type == "cpu" else (CUDA_LOSS_TOL, CUDA_GRAD_TOL)
+    loss_tol, grad_rel = (LOSS_TOL, GRAD_REL) if device.type == "cpu" else (CUDA_LOSS_TOL, CUDA_GRAD_REL)
     _record(backend_name, "loss", loss.detach(), trl_loss.detach())
     torch.testing.assert_close(loss.detach().cpu(), trl_loss.detach(), **loss_tol)
 
@@ -260,10 +263,10 @@ def test_compute_loss_matches_trl(workdir, batch, backend, loss_type, beta, leve
 
     assert set(grads) == set(trl_grads)
     for name, trl_grad in trl_grads.items():
-        _record(backend_name, "grads", grads[name], trl_grad)
-        _record(backend_name, "gradrel", (grads[name] - trl_grad).abs().max() / trl_grad.abs().max(), 0.0)
-        continue
-        torch.testing.assert_close(grads[name], trl_grad, msg=lambda m, name=name: f"grad of {name}: {m}", **grad_tol)
+        scale = trl_grad.abs().max().item()
+        diff = (grads[name] - trl_grad).abs().max().item()
+        _record(backend_name, "grad_rel", diff / max(scale, 1e-30), 0.0)
+        assert diff <= grad_rel * scale, f"grad of {name}: max|diff| {diff:.3e} > {grad_rel} * max|grad| {scale:.3e}"
     assert trl_grads["lm_head.weight"].abs().max() > 0
 
     # The off-policy cases must exercise the clipping branches (else the clip metrics and min() are untested).

@@ -30,11 +30,14 @@ import triton.language as tl
 
 # A row's running max starts finite so that `s * (m_old - m_new)` never evaluates 0 * inf on the first tile.
 _NEG_BIG = tl.constexpr(-1.0e30)
-# Default tiles, the largest that build without register spills for both sm_90 and sm_80 (ptxas -v, triton 3.9):
-# fwd 128x64x32 / 8 warps: 215 registers, 0 spills (128x128x64 spills 244 B on sm_90 and 532 B on sm_80);
-# bwd 64x64x64 / 8 warps: 254 registers, 0 spills (64x128x64 spills 260 B on sm_90). Tuned further on a GPU.
-_FWD_BLOCK_N, _FWD_BLOCK_V, _FWD_BLOCK_H, _FWD_WARPS, _FWD_STAGES = 128, 64, 32, 8, 3
-_BWD_BLOCK_N, _BWD_BLOCK_V, _BWD_BLOCK_H, _BWD_WARPS, _BWD_STAGES = 64, 64, 64, 8, 2
+# Tiles (BLOCK_N, BLOCK_V, BLOCK_H, num_warps, num_stages) by input element size: the largest that build without
+# register spills for both sm_90 and sm_80 (ptxas -v, triton 3.9; tests/test_aot.py checks them):
+#   bf16/fp16 fwd 128x64x32: 215 registers (128x128x64 spills 244 B on sm_90, 532 B on sm_80);
+#   bf16/fp16 bwd 64x64x64: 254 registers (64x128x64 spills 260 B on sm_90);
+#   fp32 ("ieee" products on the FMA units) needs narrower K tiles: 128x64x32 spills 28 B on sm_90.
+# Tuned further on a GPU.
+_FWD_TILES = {2: (128, 64, 32, 8, 3), 4: (64, 64, 32, 8, 3)}
+_BWD_TILES = {2: (64, 64, 64, 8, 2), 4: (64, 64, 32, 8, 2)}
 # fp32 dW accumulators are allocated per vocab slice of at most this many bytes (the 7B head's fp32 dW is 2.2 GB).
 _DW_SLICE_BYTES = 256 * 2**20
 
@@ -220,16 +223,17 @@ def logprob_forward(x, weight, bias, offsets, ids, temperature: float, splits: i
     logp, ent, lse = (torch.empty(N, device=x.device, dtype=torch.float32) for _ in range(3))
     if N == 0:
         return logp, ent, lse
-    n_blocks = triton.cdiv(N, _FWD_BLOCK_N)
-    splits = splits or _vocab_splits(n_blocks, V, x.device, _FWD_BLOCK_V)
-    v_per_split = triton.cdiv(triton.cdiv(V, splits), _FWD_BLOCK_V) * _FWD_BLOCK_V
+    block_n, block_v, block_h, warps, stages = _FWD_TILES[x.element_size()]
+    n_blocks = triton.cdiv(N, block_n)
+    splits = splits or _vocab_splits(n_blocks, V, x.device, block_v)
+    v_per_split = triton.cdiv(triton.cdiv(V, splits), block_v) * block_v
     splits = triton.cdiv(V, v_per_split)  # no empty split
     parts = torch.empty(4, splits, N, device=x.device, dtype=torch.float32)
     _logprob_fwd_kernel[(n_blocks, splits)](
         x, weight, bias, offsets, ids, parts[0], parts[1], parts[2], parts[3],
         N, V, H, weight.stride(0), 1.0 / temperature, v_per_split,
-        HAS_BIAS=bias is not None, BLOCK_N=_FWD_BLOCK_N, BLOCK_V=_FWD_BLOCK_V, BLOCK_H=_FWD_BLOCK_H,
-        DOT_PRECISION=_dot_precision(x.dtype), num_warps=_FWD_WARPS, num_stages=_FWD_STAGES,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h,
+        DOT_PRECISION=_dot_precision(x.dtype), num_warps=warps, num_stages=stages,
     )
     block = 1024
     _logprob_combine_kernel[(triton.cdiv(N, block),)](
@@ -248,21 +252,21 @@ def logprob_backward(x, weight, bias, offsets, ids, lse, ent, grad_logp, grad_en
     fp32_weight = weight.dtype == torch.float32
     d_weight = torch.zeros_like(weight)
     d_bias = None if bias is None else torch.zeros(V, device=x.device, dtype=torch.float32)
+    block_n, block_v, block_h, warps, stages = _BWD_TILES[x.element_size()]
     # bf16/fp16 weights accumulate dW in an fp32 buffer one vocab slice at a time, then round once.
-    slice_rows = V if fp32_weight else max(_BWD_BLOCK_V, _DW_SLICE_BYTES // (4 * H) // _BWD_BLOCK_V * _BWD_BLOCK_V)
+    slice_rows = V if fp32_weight else max(block_v, _DW_SLICE_BYTES // (4 * H) // block_v * block_v)
     dw_acc = None if fp32_weight or N == 0 else torch.empty(min(slice_rows, V), H, device=x.device,
                                                             dtype=torch.float32)
     for v_begin in range(0, V if N else 0, slice_rows):
         v_end = min(v_begin + slice_rows, V)
         dw = d_weight[v_begin:v_end] if fp32_weight else dw_acc[: v_end - v_begin].zero_()
-        grid = (triton.cdiv(N, _BWD_BLOCK_N), triton.cdiv(v_end - v_begin, _BWD_BLOCK_V))
+        grid = (triton.cdiv(N, block_n), triton.cdiv(v_end - v_begin, block_v))
         _logprob_bwd_kernel[grid](
             x, weight, bias, offsets, ids, lse, ent, grad_logp, grad_ent,
             dx, dw, None if bias is None else d_bias[v_begin:v_end],
             N, V, H, weight.stride(0), dx.stride(0), dw.stride(0), 1.0 / temperature, v_begin, v_end,
-            HAS_BIAS=bias is not None, HAS_GRAD_ENT=grad_ent is not None, BLOCK_N=_BWD_BLOCK_N,
-            BLOCK_V=_BWD_BLOCK_V, BLOCK_H=_BWD_BLOCK_H, DOT_PRECISION=_dot_precision(x.dtype),
-            num_warps=_BWD_WARPS, num_stages=_BWD_STAGES,
+            HAS_BIAS=bias is not None, HAS_GRAD_ENT=grad_ent is not None, BLOCK_N=block_n, BLOCK_V=block_v,
+            BLOCK_H=block_h, DOT_PRECISION=_dot_precision(x.dtype), num_warps=warps, num_stages=stages,
         )
         if not fp32_weight:
             d_weight[v_begin:v_end].copy_(dw)

@@ -5,6 +5,7 @@ compute capability; `ptxas-blackwell -v` (shipped in triton's wheel, it reads th
 registers, shared memory and spills of the PTX.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -15,6 +16,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from fastgrpo.kernels import grpo_token, logprob
+
+# The builds need real JIT functions: this module runs as its own process, without TRITON_INTERPRET.
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
 
 
@@ -53,3 +57,70 @@ def build(fn, signature: dict, constexprs: dict, cc: int, num_warps: int, num_st
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     return Build(ptx=ptx, registers=regs, spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)),
                  shared_bytes=compiled.metadata.shared, ptxas_report=report.strip())
+
+
+# -- the shipped kernels, with their launchers' settings ------------------------------------------------------------
+
+HEAD = dict(X="*{dt}", W="*{dt}", B="*{dt}", Offs="*i64", Ids="*i64")
+SCALARS = dict(N="i32", V="i32", H="i32", stride_w="i32", inv_t="fp32")
+
+
+def fwd(dt):
+    sig = {k: v.format(dt=dt) for k, v in HEAD.items()}
+    sig.update(Mpart="*fp32", Spart="*fp32", Apart="*fp32", Zpart="*fp32", **SCALARS, v_per_split="i32")
+    bn, bv, bh, warps, stages = logprob._FWD_TILES[4 if dt == "fp32" else 2]
+    consts = dict(HAS_BIAS=True, BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, DOT_PRECISION="tf32")
+    return logprob._logprob_fwd_kernel, sig, consts, warps, stages
+
+
+def bwd(dt):
+    sig = {k: v.format(dt=dt) for k, v in HEAD.items()}
+    sig.update(Lse="*fp32", Ent="*fp32", GradLogp="*fp32", GradEnt="*fp32", DX="*fp32", DW="*fp32", DB="*fp32")
+    sig.update(N="i32", V="i32", H="i32", stride_w="i32", stride_dx="i32", stride_dw="i32", inv_t="fp32",
+               v_begin="i32", v_end="i32")
+    bn, bv, bh, warps, stages = logprob._BWD_TILES[4 if dt == "fp32" else 2]
+    consts = dict(HAS_BIAS=True, HAS_GRAD_ENT=True, BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, DOT_PRECISION="tf32")
+    return logprob._logprob_bwd_kernel, sig, consts, warps, stages
+
+
+def combine(_dt):
+    sig = dict(Mpart="*fp32", Spart="*fp32", Apart="*fp32", Zpart="*fp32", Logp="*fp32", Ent="*fp32", Lse="*fp32",
+               N="i32")
+    return logprob._logprob_combine_kernel, sig, dict(SPLITS=8, BLOCK=1024), 4, 1
+
+
+def grpo(_dt, sequence=True):
+    sig = {k: "*fp32" for k in ("Logp", "Old", "Ref", "Adv", "Mask", "RowW", "DLogp", "RowStats")}
+    sig.update(B="i32", T="i32", **{k: "fp32" for k in ("eps_low", "eps_high", "delta", "beta", "tau_pos",
+                                                         "tau_neg")})
+    consts = dict(LOSS_TYPE=grpo_token.LOSS_TYPES["dapo"], SEQUENCE_LEVEL=sequence, HAS_OLD=True, HAS_KL=True,
+                  BIAS_CORRECTION=True, HAS_DELTA=True, ADV_PER_TOKEN=False, BLOCK_T=grpo_token.MAX_BLOCK_T)
+    return grpo_token._grpo_token_kernel, sig, consts, grpo_token.NUM_WARPS, 1
+
+
+KERNELS = {"logprob_fwd": fwd, "logprob_bwd": bwd, "logprob_combine": combine, "grpo_token": grpo}
+GEMM_KERNELS = ("logprob_fwd", "logprob_bwd")
+
+
+
+
+def build_all(cases):
+    """cases: [(kernel name, dtype, cc)] -> [dict of resource usage], with fp32 GEMMs in exact ("ieee") mode."""
+    results = []
+    for name, dtype, cc in cases:
+        fn, sig, consts, warps, stages = KERNELS[name](dtype)
+        if dtype == "fp32" and name in GEMM_KERNELS:
+            consts = {**consts, "DOT_PRECISION": "ieee"}
+        b = build(fn, sig, consts, cc, warps, stages)
+        results.append(dict(name=name, dtype=dtype, cc=cc, registers=b.registers, shared_bytes=b.shared_bytes,
+                            spill_stores=b.spill_stores, spill_loads=b.spill_loads,
+                            tensor_cores=b.uses_tensor_cores(cc),
+                            wgmma_bf16="wgmma.mma_async.sync.aligned" in b.ptx and ".bf16" in b.ptx,
+                            ptxas_report=b.ptxas_report))
+    return results
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(json.dumps(build_all(json.loads(sys.argv[1]))))

@@ -50,6 +50,10 @@ MAX_COMPLETION_LENGTH = 8  # dr_grpo's normaliser; deliberately != T
 PROMPT_PAD = [0, 2, 0, 1, 3, 0]  # left padding per prompt
 COMPLETION_LENGTHS = [7, 5, 1, 0, 3, 6]  # one empty completion (all masked), one full
 ADVANTAGES = [1.0, -0.8, 0.5, 0.7, -1.2, 0.0]
+# Per-row mean of old - current logprobs in the off-policy cases, so that the per-sequence ratios exp(-drift) land in
+# every branch: row 0 clipped high (A > 0), row 1 clipped low (A < 0), row 4 above delta = 1.5 with A < 0 (two-sided
+# clipping), rows 2-3 inside the trust region. Zero-mean per-token noise on top spreads the token-level ratios.
+OLD_ROW_DRIFT = [-0.3, 0.4, 0.0, 0.05, -0.5, 0.2]
 
 # Per loss type: TRL config options beyond the shared ones; each maps to the LossConfig field of the same meaning.
 EXTRA = {
@@ -130,15 +134,16 @@ def batch():
         if 0 < length < T:
             completion_ids[row, length - 1] = EOS_ID
         completion_ids[row, length:] = PAD_ID
+    old_noise = 0.5 * torch.randn(B, T, generator=gen)
+    row_mean = lambda x: (x * completion_mask).sum(-1, keepdim=True) / completion_mask.sum(-1, keepdim=True).clamp(min=1)
     return {
         "prompt_ids": prompt_ids,
         "prompt_mask": prompt_mask,
         "completion_ids": completion_ids,
         "completion_mask": completion_mask,
         "advantages": torch.tensor(ADVANTAGES),
-        "num_items_in_batch": completion_mask.sum(),
         # Off-policy drift, large enough that ratios leave [1 - eps, 1 + eps] both ways, also per sequence.
-        "old_noise": 0.5 * torch.randn(B, T, generator=gen),
+        "old_noise": old_noise - row_mean(old_noise) + torch.tensor(OLD_ROW_DRIFT)[:, None],
         "ref_noise": 0.3 * torch.randn(B, T, generator=gen),
         # Masked positions of old / ref logprobs hold arbitrary finite values: both sides must ignore them.
         "masked_fill": -torch.rand(B, T, generator=gen),
@@ -184,8 +189,8 @@ def backend(request, monkeypatch):
     return name, torch.device("cpu")
 
 
-@pytest.mark.parametrize(("loss_type", "beta", "level", "policy"), CASES)
-def test_compute_loss_matches_trl(workdir, batch, backend, loss_type, beta, level, policy):
+def _check_parity(workdir, batch, backend, loss_type, beta, level, policy, num_items_in_batch):
+    """TRL's `_compute_loss` vs `fused_grpo_loss`: loss, logged metrics and every parameter's gradient."""
     path, tokenizer = workdir
     backend_name, device = backend
     extra = EXTRA[loss_type]
@@ -225,8 +230,8 @@ def test_compute_loss_matches_trl(workdir, batch, backend, loss_type, beta, leve
     ref_logps = shifted(batch["ref_noise"]) if beta != 0.0 else None
 
     # -- TRL --
-    inputs = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
-                                     "num_items_in_batch")}
+    inputs = {k: batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")}
+    inputs["num_items_in_batch"] = num_items_in_batch
     if old_logps is not None:
         inputs["old_per_token_logps"] = old_logps
     if ref_logps is not None:
@@ -246,7 +251,7 @@ def test_compute_loss_matches_trl(workdir, batch, backend, loss_type, beta, leve
     loss, metrics = fused_grpo_loss(
         _backbone_hidden(ours_model, batch), ours_model.lm_head.weight, to(batch["completion_ids"]), to(mask),
         to(batch["advantages"]), old_logps=to(old_logps), ref_logps=to(ref_logps), config=config,
-        num_items_in_batch=to(batch["num_items_in_batch"]),
+        num_items_in_batch=to(num_items_in_batch),
     )
     loss.backward()
     grads = _param_grads(ours_model)
@@ -269,7 +274,23 @@ def test_compute_loss_matches_trl(workdir, batch, backend, loss_type, beta, leve
         assert diff <= grad_rel * scale, f"grad of {name}: max|diff| {diff:.3e} > {grad_rel} * max|grad| {scale:.3e}"
     assert trl_grads["lm_head.weight"].abs().max() > 0
 
+    return trl_metrics
+
+
+@pytest.mark.parametrize(("loss_type", "beta", "level", "policy"), CASES)
+def test_compute_loss_matches_trl(workdir, batch, backend, loss_type, beta, level, policy):
+    metrics = _check_parity(workdir, batch, backend, loss_type, beta, level, policy, batch["completion_mask"].sum())
     # The off-policy cases must exercise the clipping branches (else the clip metrics and min() are untested).
-    if policy == "off" and level == "token":
-        clipped = trl_metrics.get("clip_ratio/region_mean", trl_metrics.get("cispo_clip_ratio"))
-        assert clipped is None or clipped > 0, f"no token was clipped: {trl_metrics}"
+    if policy == "off" and loss_type != "sapo":
+        if loss_type == "cispo":
+            assert metrics["cispo_clip_ratio"] > 0, metrics
+        else:
+            assert metrics["clip_ratio/high_mean"] > 0 and metrics["clip_ratio/low_mean"] > 0, metrics
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo"])
+def test_num_items_in_batch_normalises_like_trl(workdir, batch, backend, loss_type):
+    """dapo / cispo divide by `num_items_in_batch` (TRL: times num_processes * steps_per_generation / accumulation
+    steps, all 1 here), not by the batch's own token count: pass a count other than `completion_mask.sum()`."""
+    num_items = batch["completion_mask"].sum() * 3 + 1
+    _check_parity(workdir, batch, backend, loss_type, 0.04, "token", "off", num_items)

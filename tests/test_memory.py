@@ -1,0 +1,21 @@
+"""The chunked path's peak host memory is a small fraction of the full-logits reference's (Linux only)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc/self/clear_refs")
+def test_chunked_peak_memory_under_10_percent_of_reference():
+    from cpu_memory import run_isolated
+
+    chunked = run_isolated("torch", 8192, 256, 65536)
+    full = run_isolated("reference", 8192, 256, 65536)
+    ratio = chunked["peak_extra_bytes"] / full["peak_extra_bytes"]
+    print(f"\npeak above inputs, N=8192 H=256 V=65536 fp32: chunked {chunked['peak_extra_bytes'] / 2**20:.0f} MiB, "
+          f"reference {full['peak_extra_bytes'] / 2**20:.0f} MiB, ratio {ratio:.3f}")
+    assert full["peak_extra_bytes"] > chunked["logits_bytes"], "the reference must at least hold the logits"
+    assert ratio < 0.10

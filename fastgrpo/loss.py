@@ -127,7 +127,7 @@ def _check_loss_inputs(logps, completion_mask, advantages, old_logps, ref_logps,
 def _token_offsets(hidden, index):
     """Element offset of each indexed token vector of hidden [..., H] (any strides): int64 [N]."""
     offsets = torch.zeros((), dtype=torch.int64, device=hidden.device)
-    for dim, (size, stride) in enumerate(zip(hidden.shape[:-1], hidden.stride()[:-1])):
+    for dim, (size, stride) in enumerate(zip(hidden.shape[:-1], hidden.stride()[:-1], strict=True)):
         shape = [1] * (hidden.dim() - 1)
         shape[dim] = size
         offsets = offsets + torch.arange(size, device=hidden.device).view(shape) * stride
@@ -247,7 +247,8 @@ def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=N
 
     logps [B, T] (differentiable), completion_mask [B, T], advantages [B] or [B, T], old_logps / ref_logps [B, T]
     (old_logps=None: on-policy, `logps.detach()`), entropies [B, T] (optional, for the `entropy` metric).
-    Returns (loss [], metrics: dict of 0-dim tensors with TRL's names). Exact equivalent: `fastgrpo.reference.grpo_loss`.
+    Returns (loss [], metrics: dict of 0-dim tensors with TRL's names).
+    Exact equivalent: `fastgrpo.reference.grpo_loss`.
     """
     _check_loss_inputs(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch)
     return _grpo_loss(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch,

@@ -13,10 +13,10 @@ def good():
                 completion_mask=torch.ones(B, T), advantages=torch.randn(B))
 
 
-def call(config=LossConfig(), **changes):
+def call(config=None, **changes):
     args = {**good(), **changes}
     kw = {k: args.pop(k) for k in ("bias", "old_logps", "ref_logps", "num_items_in_batch") if k in args}
-    return fused_grpo_loss(*args.values(), config=config, **kw)
+    return fused_grpo_loss(*args.values(), config=LossConfig() if config is None else config, **kw)
 
 
 @pytest.mark.parametrize("changes,error,words", [

@@ -78,8 +78,8 @@ OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("backend,dtype", [("torch", torch.float32), ("triton", torch.float32), ("torch", torch.float64),
-                                           ("torch", torch.bfloat16)])
+@pytest.mark.parametrize("backend,dtype", [("torch", torch.float32), ("triton", torch.float32),
+                                           ("torch", torch.float64), ("torch", torch.bfloat16)])
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "sapo"])
 def test_options(monkeypatch, backend, dtype, options, loss_type):

@@ -1,4 +1,5 @@
-"""token_logprobs: the fused Triton kernel (interpreter, fp32) and the chunked torch path vs the full-logits reference."""
+"""token_logprobs: the fused Triton kernel (interpreter, fp32) and the chunked torch path vs the full-logits
+reference."""
 
 import pytest
 import torch
@@ -82,6 +83,6 @@ def test_vocab_splits_combine():
     many = logprob_forward(hidden, weight, bias, offsets, ids, 1.3, splits=5)
     truth, ent = reference.token_logprobs(hidden.double(), weight.double(), ids, bias=bias.double(), temperature=1.3,
                                           return_entropy=True)
-    for a, b, want, name in zip(one[:2], many[:2], (truth, ent), ("logp", "entropy")):
+    for a, b, want, name in zip(one[:2], many[:2], (truth, ent), ("logp", "entropy"), strict=True):
         assert_close(f"{name} (1 split)", a, want, atol=1e-5)
         assert_close(f"{name} (5 splits)", b, want, atol=1e-5)

@@ -191,11 +191,6 @@ def _row_weights(mask, config, num_items_in_batch):
     return (1.0 / norm).expand(B).contiguous()
 
 
-def _nan_reduce(x, fn):
-    finite = x[~torch.isnan(x)]
-    return fn(finite) if finite.numel() else torch.tensor(float("nan"), device=x.device)
-
-
 def _kernel_metrics(row_stats, mask, advantages, config, entropies):
     """TRL's metrics from the kernel's per-row sums [NUM_ROW_STATS, B] (see kernels/grpo_token.py)."""
     _, kl_rows, low_rows, high_rows, region_rows = row_stats
@@ -218,8 +213,8 @@ def _kernel_metrics(row_stats, mask, advantages, config, entropies):
         metrics["clip_ratio/low_mean"] = mean(low_rows)
         metrics["clip_ratio/high_mean"] = mean(high_rows)
         metrics["clip_ratio/region_mean"] = mean(region_rows)
-        metrics["clip_ratio/low_min"] = _nan_reduce(seq(low_rows), torch.min)
-        metrics["clip_ratio/high_max"] = _nan_reduce(seq(high_rows), torch.max)
+        metrics["clip_ratio/low_min"] = reference.nan_reduce(seq(low_rows), torch.min)
+        metrics["clip_ratio/high_max"] = reference.nan_reduce(seq(high_rows), torch.max)
     elif config.loss_type == "cispo":
         metrics["cispo_clip_ratio"] = mean(low_rows)
     return metrics

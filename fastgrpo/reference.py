@@ -24,7 +24,8 @@ def token_logprobs(hidden, weight, token_ids, *, bias=None, temperature=1.0, ret
     return logp, entropy
 
 
-def _nan_reduce(x, fn):
+def nan_reduce(x, fn):
+    """fn over the non-NaN entries of x; NaN when there are none (TRL's nanmin/nanmax)."""
     finite = x[~torch.isnan(x)]
     return fn(finite) if finite.numel() else torch.tensor(float("nan"), device=x.device)
 
@@ -95,8 +96,8 @@ def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=N
         metrics["clip_ratio/low_mean"] = global_masked_mean(is_low)
         metrics["clip_ratio/high_mean"] = global_masked_mean(is_high)
         metrics["clip_ratio/region_mean"] = global_masked_mean(torch.maximum(is_low, is_high))
-        metrics["clip_ratio/low_min"] = _nan_reduce(masked_seq_mean(is_low), torch.min)
-        metrics["clip_ratio/high_max"] = _nan_reduce(masked_seq_mean(is_high), torch.max)
+        metrics["clip_ratio/low_min"] = nan_reduce(masked_seq_mean(is_low), torch.min)
+        metrics["clip_ratio/high_max"] = nan_reduce(masked_seq_mean(is_high), torch.max)
     elif c.loss_type == "cispo":
         metrics["cispo_clip_ratio"] = global_masked_mean(((coef_1 > c.epsilon_high) & (advantages > 0)).to(mask.dtype))
     return loss, {k: v.detach() for k, v in metrics.items()}

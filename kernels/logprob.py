@@ -43,6 +43,16 @@ _DW_SLICE_BYTES = 256 * 2**20
 
 
 @triton.jit
+def _token_tile(Offs, Ids, pid_n, N, BLOCK_N: tl.constexpr):
+    """A tile of BLOCK_N selected tokens: positions, validity, hidden-vector offsets, target ids (-1 past the end)."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_x = tl.load(Offs + offs_n, mask=n_mask, other=0).to(tl.int64)
+    ids = tl.load(Ids + offs_n, mask=n_mask, other=-1).to(tl.int64)
+    return offs_n, n_mask, offs_x, ids
+
+
+@triton.jit
 def _logit_tile(
     X, W, B, offs_x, n_mask, offs_v, v_mask, H, stride_w, inv_t,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -76,10 +86,7 @@ def _logprob_fwd_kernel(
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     inv_t = tl.cast(inv_t, tl.float32)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_x = tl.load(Offs + offs_n, mask=n_mask, other=0).to(tl.int64)
-    ids = tl.load(Ids + offs_n, mask=n_mask, other=-1).to(tl.int64)
+    offs_n, n_mask, offs_x, ids = _token_tile(Offs, Ids, pid_n, N, BLOCK_N)
 
     # Running statistics relative to the running max m: s = sum exp(z - m), a = sum exp(z - m) (z - m).
     m = tl.full((BLOCK_N,), _NEG_BIG, dtype=tl.float32)
@@ -152,10 +159,7 @@ def _logprob_bwd_kernel(
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
     inv_t = tl.cast(inv_t, tl.float32)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_x = tl.load(Offs + offs_n, mask=n_mask, other=0).to(tl.int64)
-    ids = tl.load(Ids + offs_n, mask=n_mask, other=-1).to(tl.int64)
+    offs_n, n_mask, offs_x, ids = _token_tile(Offs, Ids, pid_n, N, BLOCK_N)
     offs_v = v_begin + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     v_mask = offs_v < v_end
 

@@ -105,7 +105,7 @@ def _logprob_fwd_kernel(
         alpha = tl.exp(m - m_new)
         zc = z - m_new[:, None]
         p = tl.exp(zc)  # 0 on the -inf tail
-        a = alpha * (a + s * (m - m_new)) + tl.sum(tl.where(v_mask[None, :], p * zc, 0.0), axis=1)
+        a = alpha * (a + s * (m - m_new)) + tl.sum(p * tl.where(v_mask[None, :], zc, 0.0), axis=1)
         s = alpha * s + tl.sum(p, axis=1)
         m = m_new
         # -- the target's logit lives in exactly one tile of one split --

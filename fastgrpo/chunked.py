@@ -58,8 +58,9 @@ class ChunkedLinearLogprobFunction(torch.autograd.Function):
         inv_t = 1.0 / ctx.temperature
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
         w = weight if x.is_cuda else weight.to(acc_dtype)
-        dx = torch.empty_like(x)
-        dw = torch.zeros(weight.shape, dtype=acc_dtype, device=x.device)
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        dx = torch.empty_like(x) if need_dx else None
+        dw = torch.zeros(weight.shape, dtype=acc_dtype, device=x.device) if need_dw else None
         db = None if bias is None else torch.zeros(V, dtype=acc_dtype, device=x.device)
         for start in range(0, N, _chunk_tokens(V)):
             sl = slice(start, start + _chunk_tokens(V))
@@ -78,9 +79,14 @@ class ChunkedLinearLogprobFunction(torch.autograd.Function):
                 db += dz.sum(0)
             if x.is_cuda and x.dtype != acc_dtype:
                 dz = dz.to(x.dtype)  # tensor-core operands; dW still accumulates in fp32 below
-                dx[sl] = dz @ weight
-                torch.addmm(dw, dz.T, x[sl], out_dtype=torch.float32, out=dw)
+                if need_dx:
+                    dx[sl] = dz @ weight
+                if need_dw:
+                    torch.addmm(dw, dz.T, x[sl], out_dtype=torch.float32, out=dw)
             else:
-                dx[sl] = (dz @ w).to(x.dtype)
-                dw.addmm_(dz.T, x[sl].to(acc_dtype))
-        return dx, dw.to(weight.dtype), None if db is None else db.to(bias.dtype), None, None
+                if need_dx:
+                    dx[sl] = (dz @ w).to(x.dtype)
+                if need_dw:
+                    dw.addmm_(dz.T, x[sl].to(acc_dtype))
+        return (dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype), None,
+                None)

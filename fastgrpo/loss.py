@@ -93,25 +93,29 @@ def _check_temperature(temperature):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
 
 
-def _check_loss_inputs(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch):
+def _check_config(config):
     if not isinstance(config, LossConfig):
         raise TypeError(f"config must be a fastgrpo.loss.LossConfig, got {type(config).__name__}")
-    _check_float("logps", logps, ndim=2)
-    if not isinstance(completion_mask, torch.Tensor) or completion_mask.shape != logps.shape:
-        raise ValueError(f"completion_mask must be a tensor of shape {tuple(logps.shape)}, got "
+
+
+def _check_loss_inputs(like_name, like, completion_mask, advantages, old_logps, ref_logps, config,
+                       num_items_in_batch):
+    """Checks of everything but the policy's logprobs, which are [B, T] = like.shape[:2] on like.device."""
+    B, T = like.shape[:2]
+    if not isinstance(completion_mask, torch.Tensor) or completion_mask.shape != (B, T):
+        raise ValueError(f"completion_mask must be a tensor of shape {(B, T)} (as {like_name}), got "
                          f"{tuple(getattr(completion_mask, 'shape', ()))}")
     _check_float("advantages", advantages)
-    B, T = logps.shape
     if advantages.shape not in ((B,), (B, T)):
         raise ValueError(f"advantages must have shape [{B}] or [{B}, {T}], got {tuple(advantages.shape)}")
     for name, t in (("old_logps", old_logps), ("ref_logps", ref_logps)):
         if t is not None:
             _check_float(name, t)
-            if t.shape != logps.shape:
-                raise ValueError(f"{name} must have shape {tuple(logps.shape)}, got {tuple(t.shape)}")
+            if t.shape != (B, T):
+                raise ValueError(f"{name} must have shape {(B, T)} (as {like_name}), got {tuple(t.shape)}")
     if config.beta != 0.0 and ref_logps is None:
         raise ValueError(f"ref_logps is required when config.beta != 0 (beta = {config.beta})")
-    _check_same_device("logps", logps, completion_mask=completion_mask, advantages=advantages, old_logps=old_logps,
+    _check_same_device(like_name, like, completion_mask=completion_mask, advantages=advantages, old_logps=old_logps,
                        ref_logps=ref_logps)
     if not torch.isfinite(advantages).all():
         raise ValueError("advantages must be finite; found NaN or inf")
@@ -245,7 +249,9 @@ def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=N
     Returns (loss [], metrics: dict of 0-dim tensors with TRL's names).
     Exact equivalent: `fastgrpo.reference.grpo_loss`.
     """
-    _check_loss_inputs(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch)
+    _check_config(config)
+    _check_float("logps", logps, ndim=2)
+    _check_loss_inputs("logps", logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch)
     return _grpo_loss(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch,
                       entropies, resolve_backend(logps.device))
 
@@ -258,18 +264,13 @@ def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages,
     completion_ids / completion_mask [B, T]; the rest as in `grpo_loss`. Only tokens with completion_mask != 0
     are scored. Returns (loss, metrics). Exact equivalent: `fastgrpo.reference.fused_grpo_loss`.
     """
-    if not isinstance(config, LossConfig):
-        raise TypeError(f"config must be a fastgrpo.loss.LossConfig, got {type(config).__name__}")
+    _check_config(config)
     _check_float("hidden", hidden, ndim=3)
-    if not isinstance(completion_mask, torch.Tensor) or completion_mask.shape != hidden.shape[:2]:
-        raise ValueError(f"completion_mask must be a tensor of shape {tuple(hidden.shape[:2])}, got "
-                         f"{tuple(getattr(completion_mask, 'shape', ()))}")
+    _check_loss_inputs("hidden", hidden, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch)
     valid = completion_mask != 0
     _check_head(hidden, weight, bias, completion_ids, valid)
     backend = resolve_backend(hidden.device)
     if backend == "reference":
-        _check_loss_inputs(hidden.new_zeros(hidden.shape[:2], dtype=torch.float32), completion_mask, advantages,
-                           old_logps, ref_logps, config, num_items_in_batch)
         return reference.fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias=bias,
                                          old_logps=old_logps, ref_logps=ref_logps, config=config,
                                          num_items_in_batch=num_items_in_batch)
@@ -277,7 +278,6 @@ def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages,
     B, T = completion_mask.shape
     logps = logp.new_zeros(B * T).index_copy(0, index, logp).view(B, T)  # differentiable scatter
     entropies = ent.detach().new_zeros(B * T).index_copy_(0, index, ent.detach()).view(B, T)
-    _check_loss_inputs(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch)
     return _grpo_loss(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch,
                       entropies, backend)
 

@@ -34,10 +34,11 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 # register spills for both sm_90 and sm_80 (ptxas -v, triton 3.9; tests/test_aot.py checks them):
 #   bf16/fp16 fwd 128x64x32: 215 registers (128x128x64 spills 244 B on sm_90, 532 B on sm_80);
 #   bf16/fp16 bwd 64x64x64: 254 registers (64x128x64 spills 260 B on sm_90);
-#   fp32 ("ieee" products on the FMA units) needs narrower K tiles: 128x64x32 spills 28 B on sm_90.
+#   fp32 ("ieee" products on the FMA units) needs narrower tiles: fwd 128x64x32 spills 28 B on sm_90, and the
+#   dX-only bwd at 64x64x32 spills 32 B on sm_80 (64x32x32: 128-156 registers).
 # Tuned further on a GPU.
 _FWD_TILES = {2: (128, 64, 32, 8, 3), 4: (64, 64, 32, 8, 3)}
-_BWD_TILES = {2: (64, 64, 64, 8, 2), 4: (64, 64, 32, 8, 2)}
+_BWD_TILES = {2: (64, 64, 64, 8, 2), 4: (64, 32, 32, 8, 2)}
 # fp32 dW accumulators are allocated per vocab slice of at most this many bytes (the 7B head's fp32 dW is 2.2 GB).
 _DW_SLICE_BYTES = 256 * 2**20
 
@@ -153,8 +154,8 @@ def _logprob_bwd_kernel(
     X, W, B, Offs, Ids, Lse, Ent, GradLogp, GradEnt,  # inputs as in the forward; Lse/Ent/Grad* are [N] fp32
     DX, DW, DB,  # DX [N, H] fp32 (one row per selected token), DW [v_end - v_begin, H] fp32, DB [v_end - v_begin] fp32
     N, V, H, stride_w, stride_dx, stride_dw, inv_t, v_begin, v_end,
-    HAS_BIAS: tl.constexpr, HAS_GRAD_ENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_GRAD_ENT: tl.constexpr, COMPUTE_DX: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
@@ -183,20 +184,22 @@ def _logprob_bwd_kernel(
         tl.atomic_add(DB + (offs_v - v_begin), tl.sum(dz, axis=0), mask=v_mask)
     dz = dz.to(W.dtype.element_ty)  # tensor-core operand in the input dtype, as autograd on bf16 logits would use
 
-    # -- dX[n] += dz @ W[v], dW[v] += dz.T @ X[n], one H tile at a time --
+    # -- dX[n] += dz @ W[v], dW[v] += dz.T @ X[n], one H tile at a time (a frozen lm_head skips dW) --
     x_ptrs = X + offs_x[:, None]
     w_ptrs = W + offs_v[:, None].to(tl.int64) * stride_w
-    dx_ptrs = DX + offs_n[:, None].to(tl.int64) * stride_dx
-    dw_ptrs = DW + (offs_v - v_begin)[:, None].to(tl.int64) * stride_dw
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_mask = offs_h < H
-        x = tl.load(x_ptrs + offs_h[None, :], mask=n_mask[:, None] & h_mask[None, :], other=0.0)  # [BN, BH]
-        w = tl.load(w_ptrs + offs_h[None, :], mask=v_mask[:, None] & h_mask[None, :], other=0.0)  # [BV, BH]
-        dx = tl.dot(dz, w, input_precision=DOT_PRECISION)  # [BN, BH]
-        tl.atomic_add(dx_ptrs + offs_h[None, :], dx, mask=n_mask[:, None] & h_mask[None, :])
-        dw = tl.dot(tl.trans(dz), x, input_precision=DOT_PRECISION)  # [BV, BH]
-        tl.atomic_add(dw_ptrs + offs_h[None, :], dw, mask=v_mask[:, None] & h_mask[None, :])
+        if COMPUTE_DX:
+            w = tl.load(w_ptrs + offs_h[None, :], mask=v_mask[:, None] & h_mask[None, :], other=0.0)  # [BV, BH]
+            dx = tl.dot(dz, w, input_precision=DOT_PRECISION)  # [BN, BH]
+            dx_ptrs = DX + offs_n[:, None].to(tl.int64) * stride_dx + offs_h[None, :]
+            tl.atomic_add(dx_ptrs, dx, mask=n_mask[:, None] & h_mask[None, :])
+        if COMPUTE_DW:
+            x = tl.load(x_ptrs + offs_h[None, :], mask=n_mask[:, None] & h_mask[None, :], other=0.0)  # [BN, BH]
+            dw = tl.dot(tl.trans(dz), x, input_precision=DOT_PRECISION)  # [BV, BH]
+            dw_ptrs = DW + (offs_v - v_begin)[:, None].to(tl.int64) * stride_dw + offs_h[None, :]
+            tl.atomic_add(dw_ptrs, dw, mask=v_mask[:, None] & h_mask[None, :])
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -246,33 +249,37 @@ def logprob_forward(x, weight, bias, offsets, ids, temperature: float, splits: i
     return logp, ent, lse
 
 
-def logprob_backward(x, weight, bias, offsets, ids, lse, ent, grad_logp, grad_ent, temperature: float):
+def logprob_backward(x, weight, bias, offsets, ids, lse, ent, grad_logp, grad_ent, temperature: float,
+                     need_dx: bool = True, need_dw: bool = True):
     """Gradients of sum(grad_logp * logp + grad_ent * entropy) w.r.t. the N scored vectors, weight and bias.
 
-    Returns (dx [N, H] fp32, d_weight [V, H] in weight's dtype, d_bias [V] in bias's dtype or None).
+    Returns (dx [N, H] fp32 or None, d_weight [V, H] in weight's dtype or None, d_bias [V] in bias's dtype or None);
+    dx / d_weight are None (and cost nothing) when not needed.
     """
     N, (V, H) = offsets.numel(), weight.shape
-    dx = torch.zeros(N, H, device=x.device, dtype=torch.float32)
-    fp32_weight = weight.dtype == torch.float32
-    d_weight = torch.zeros_like(weight)
+    dx = torch.zeros(N, H, device=x.device, dtype=torch.float32) if need_dx else None
+    d_weight = torch.zeros_like(weight) if need_dw else None
     d_bias = None if bias is None else torch.zeros(V, device=x.device, dtype=torch.float32)
     block_n, block_v, block_h, warps, stages = _BWD_TILES[x.element_size()]
     # bf16/fp16 weights accumulate dW in an fp32 buffer one vocab slice at a time, then round once.
-    slice_rows = V if fp32_weight else max(block_v, _DW_SLICE_BYTES // (4 * H) // block_v * block_v)
-    dw_acc = None if fp32_weight or N == 0 else torch.empty(min(slice_rows, V), H, device=x.device,
-                                                            dtype=torch.float32)
+    in_place = not need_dw or weight.dtype == torch.float32
+    slice_rows = V if in_place else max(block_v, _DW_SLICE_BYTES // (4 * H) // block_v * block_v)
+    dw_acc = None if in_place or N == 0 else torch.empty(min(slice_rows, V), H, device=x.device, dtype=torch.float32)
     for v_begin in range(0, V if N else 0, slice_rows):
         v_end = min(v_begin + slice_rows, V)
-        dw = d_weight[v_begin:v_end] if fp32_weight else dw_acc[: v_end - v_begin].zero_()
+        dw = d_weight[v_begin:v_end] if in_place and need_dw else None
+        if not in_place:
+            dw = dw_acc[: v_end - v_begin].zero_()
         grid = (triton.cdiv(N, block_n), triton.cdiv(v_end - v_begin, block_v))
         _logprob_bwd_kernel[grid](
             x, weight, bias, offsets, ids, lse, ent, grad_logp, grad_ent,
             dx, dw, None if bias is None else d_bias[v_begin:v_end],
-            N, V, H, weight.stride(0), dx.stride(0), dw.stride(0), 1.0 / temperature, v_begin, v_end,
-            HAS_BIAS=bias is not None, HAS_GRAD_ENT=grad_ent is not None, BLOCK_N=block_n, BLOCK_V=block_v,
-            BLOCK_H=block_h, DOT_PRECISION=_dot_precision(x.dtype), num_warps=warps, num_stages=stages,
+            N, V, H, weight.stride(0), H, H, 1.0 / temperature, v_begin, v_end,
+            HAS_BIAS=bias is not None, HAS_GRAD_ENT=grad_ent is not None, COMPUTE_DX=need_dx, COMPUTE_DW=need_dw,
+            BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h, DOT_PRECISION=_dot_precision(x.dtype),
+            num_warps=warps, num_stages=stages,
         )
-        if not fp32_weight:
+        if not in_place:
             d_weight[v_begin:v_end].copy_(dw)
     return dx, d_weight, None if bias is None else d_bias.to(bias.dtype)
 
@@ -296,11 +303,12 @@ class LinearLogprobFunction(torch.autograd.Function):
         x, weight, bias, index, offsets, ids, lse, ent = ctx.saved_tensors
         grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.contiguous().float()
         grad_ent = None if grad_ent is None else grad_ent.contiguous().float()
+        need_dx, need_dw = ctx.needs_input_grad[:2]
         dx_tokens, d_weight, d_bias = logprob_backward(
-            x, weight, bias, offsets, ids, lse, ent, grad_logp, grad_ent, ctx.temperature
+            x, weight, bias, offsets, ids, lse, ent, grad_logp, grad_ent, ctx.temperature, need_dx, need_dw
         )
         dx = None
-        if ctx.needs_input_grad[0]:
+        if need_dx:
             H = x.shape[-1]
             dx = x.new_zeros(x.numel() // H, H).index_copy_(0, index, dx_tokens.to(x.dtype)).view(x.shape)
         return dx, d_weight, d_bias, None, None, None, None

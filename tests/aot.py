@@ -78,8 +78,15 @@ def bwd(dt):
     sig.update(N="i32", V="i32", H="i32", stride_w="i32", stride_dx="i32", stride_dw="i32", inv_t="fp32",
                v_begin="i32", v_end="i32")
     bn, bv, bh, warps, stages = logprob._BWD_TILES[4 if dt == "fp32" else 2]
-    consts = dict(HAS_BIAS=True, HAS_GRAD_ENT=True, BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, DOT_PRECISION="tf32")
+    consts = dict(HAS_BIAS=True, HAS_GRAD_ENT=True, COMPUTE_DX=True, COMPUTE_DW=True, BLOCK_N=bn, BLOCK_V=bv,
+                  BLOCK_H=bh, DOT_PRECISION="tf32")
     return logprob._logprob_bwd_kernel, sig, consts, warps, stages
+
+
+def bwd_dx_only(dt):
+    """The backward for a frozen lm_head (LoRA): dX only."""
+    fn, sig, consts, warps, stages = bwd(dt)
+    return fn, sig, {**consts, "COMPUTE_DW": False}, warps, stages
 
 
 def combine(_dt):
@@ -97,8 +104,9 @@ def grpo(_dt, sequence=True):
     return grpo_token._grpo_token_kernel, sig, consts, grpo_token.NUM_WARPS, 1
 
 
-KERNELS = {"logprob_fwd": fwd, "logprob_bwd": bwd, "logprob_combine": combine, "grpo_token": grpo}
-GEMM_KERNELS = ("logprob_fwd", "logprob_bwd")
+KERNELS = {"logprob_fwd": fwd, "logprob_bwd": bwd, "logprob_bwd_dx_only": bwd_dx_only, "logprob_combine": combine,
+           "grpo_token": grpo}
+GEMM_KERNELS = ("logprob_fwd", "logprob_bwd", "logprob_bwd_dx_only")
 
 
 

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-NAMES = ("logprob_fwd", "logprob_bwd", "logprob_combine", "grpo_token")
-GEMM_KERNELS = ("logprob_fwd", "logprob_bwd")
+NAMES = ("logprob_fwd", "logprob_bwd", "logprob_bwd_dx_only", "logprob_combine", "grpo_token")
+GEMM_KERNELS = ("logprob_fwd", "logprob_bwd", "logprob_bwd_dx_only")
 CASES = [(name, dtype, cc) for name in NAMES for dtype in (("bf16", "fp16", "fp32") if name in GEMM_KERNELS else
                                                              ("bf16",)) for cc in (90, 80)]
 

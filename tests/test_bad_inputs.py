@@ -103,3 +103,16 @@ def test_backend_env(monkeypatch):
         resolve_backend(torch.device("cpu"))
     monkeypatch.setenv("FASTGRPO_BACKEND", "auto")
     assert resolve_backend(torch.device("cpu")) == "torch"
+
+
+def test_loss_inputs_are_checked_before_any_logprob_work(monkeypatch):
+    import fastgrpo.loss as loss_module
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the logprobs ran before the loss inputs were checked")
+
+    monkeypatch.setattr(loss_module, "_selected_logprobs", boom)
+    with pytest.raises(ValueError, match="advantages"):
+        call(advantages=torch.randn(B, T + 2))
+    with pytest.raises(ValueError, match="ref_logps is required"):
+        call(config=LossConfig(beta=0.1))

@@ -86,3 +86,22 @@ def test_vocab_splits_combine():
     for a, b, want, name in zip(one[:2], many[:2], (truth, ent), ("logp", "entropy"), strict=True):
         assert_close(f"{name} (1 split)", a, want, atol=1e-5)
         assert_close(f"{name} (5 splits)", b, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_frozen_weight_or_hidden(monkeypatch, backend):
+    """A frozen lm_head (LoRA) or frozen hidden states skip that gradient and leave the other one unchanged."""
+    monkeypatch.setenv("FASTGRPO_BACKEND", backend)
+    hidden, weight, _, ids = make_head((13,), 20, 90, scale=4.0, dtype=torch.float32)
+    g = torch.randn(13)
+    want = {}
+    for frozen in (None, "weight", "hidden"):
+        x, w = hidden.clone().requires_grad_(frozen != "hidden"), weight.clone().requires_grad_(frozen != "weight")
+        logp, _ = token_logprobs(x, w, ids)
+        (logp * g).sum().backward()
+        if frozen is None:
+            want = {"hidden": x.grad, "weight": w.grad}
+        else:
+            assert (w if frozen == "weight" else x).grad is None
+            live = "hidden" if frozen == "weight" else "weight"
+            assert torch.equal((x if live == "hidden" else w).grad, want[live]), live

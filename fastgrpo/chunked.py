@@ -24,6 +24,12 @@ def _mm_fp32(a, b_t):
     return a.float() @ b_t.float().T
 
 
+def _matmul_weight(x, weight):
+    """The weight as the chunk matmuls take it: as is on CUDA; upcast once on CPU, which has no bf16 x bf16 -> fp32
+    matmul (an extra fp32 copy of the weight, fine for the small models that train on a CPU)."""
+    return weight if x.is_cuda else weight.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _chunk_logits(x_c, weight, bias, inv_t):
     z = _mm_fp32(x_c, weight)  # [C, V]
     if bias is not None:
@@ -39,9 +45,10 @@ class ChunkedLinearLogprobFunction(torch.autograd.Function):
         N, V = x.shape[0], weight.shape[0]
         out_dtype = torch.promote_types(x.dtype, torch.float32)
         logp, ent, lse = (torch.empty(N, dtype=out_dtype, device=x.device) for _ in range(3))
-        w = weight if x.is_cuda else weight.to(out_dtype)  # CPU has no bf16 x bf16 -> fp32 matmul
-        for start in range(0, N, _chunk_tokens(V)):
-            sl = slice(start, start + _chunk_tokens(V))
+        w = _matmul_weight(x, weight)
+        chunk = _chunk_tokens(V)
+        for start in range(0, N, chunk):
+            sl = slice(start, start + chunk)
             z = _chunk_logits(x[sl], w, bias, 1.0 / temperature)  # [C, V]
             lse[sl] = torch.logsumexp(z, dim=-1)  # [C]
             z -= lse[sl, None]  # log-softmax, in place; centred so the entropy has no cancellation
@@ -57,13 +64,14 @@ class ChunkedLinearLogprobFunction(torch.autograd.Function):
         N, V = x.shape[0], weight.shape[0]
         inv_t = 1.0 / ctx.temperature
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
-        w = weight if x.is_cuda else weight.to(acc_dtype)
+        w = _matmul_weight(x, weight)
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dx = torch.empty_like(x) if need_dx else None
         dw = torch.zeros(weight.shape, dtype=acc_dtype, device=x.device) if need_dw else None
         db = None if bias is None else torch.zeros(V, dtype=acc_dtype, device=x.device)
-        for start in range(0, N, _chunk_tokens(V)):
-            sl = slice(start, start + _chunk_tokens(V))
+        chunk = _chunk_tokens(V)
+        for start in range(0, N, chunk):
+            sl = slice(start, start + chunk)
             log_p = _chunk_logits(x[sl], w, bias, inv_t).sub_(lse[sl, None])  # [C, V]
             p = log_p.exp()
             dz = torch.zeros_like(log_p)

@@ -1,0 +1,161 @@
+"""The attention function the engine registers with transformers, and its three backends.
+
+During `Engine.generate` the model's attention implementation is switched to ATTENTION_NAME through transformers'
+public AttentionInterface. Every attention layer then sees the packed new tokens of all scheduled sequences
+(batch 1, T tokens, each with its own position), writes their keys/values into the paged cache and attends over
+each sequence's cached context. Everything else in the model (embeddings, norms, rotary, MLP, LoRA) runs unchanged.
+"""
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from fastgrpo.kernels.paged_attention import paged_attention as triton_paged_attention
+
+ATTENTION_NAME = "fastgrpo_paged"
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    """What one forward needs to find its keys/values; built by the engine for each step."""
+
+    kv_cache: torch.Tensor  # [layers, 2, num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    context_lens: torch.Tensor  # [S] int32: cached tokens per sequence, this step's included
+    query_starts: torch.Tensor  # [S + 1] int32: where each sequence's new tokens start in the packed batch
+    context_starts: torch.Tensor  # [S + 1] int32: cumulative context_lens (flash-attn's cu_seqlens_k)
+    max_query_len: int
+    max_context_len: int
+    backend: str
+    tile_seqs: torch.Tensor | None = None  # [num_tiles] int32 (triton)
+    tile_starts: torch.Tensor | None = None  # [num_tiles] int32 (triton)
+    block_m: int = 0  # rows per triton program
+
+
+_current: PagedBatch | None = None
+
+
+@contextmanager
+def paged_batch(batch: PagedBatch):
+    global _current
+    _current = batch
+    try:
+        yield
+    finally:
+        _current = None
+
+
+def reference_paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [S, max_blocks]
+    context_lens: torch.Tensor,  # [S]
+    query_starts: torch.Tensor,  # [S + 1]
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Gather each sequence's pages into a padded batch and run one masked SDPA call (the CPU path)."""
+    block_size = k_cache.shape[1]
+    context_lens = context_lens.long()
+    query_lens = (query_starts[1:] - query_starts[:-1]).long()  # [S]
+    max_context, max_query = int(context_lens.max()), int(query_lens.max())
+
+    pos = torch.arange(max_context, device=query.device)  # [C]
+    page = (pos // block_size).clamp(max=block_tables.shape[1] - 1)
+    slots = block_tables.long()[:, page] * block_size + pos % block_size  # [S, C]
+    keys = k_cache.flatten(0, 1)[slots]  # [S, C, Hkv, D]
+    values = v_cache.flatten(0, 1)[slots]
+
+    rows = torch.arange(max_query, device=query.device)  # [Q]
+    row_valid = rows < query_lens[:, None]  # [S, Q]
+    token = (query_starts[:-1, None].long() + rows).clamp(max=query.shape[0] - 1)
+    queries = query[token]  # [S, Q, Hq, D]
+    q_pos = (context_lens - query_lens)[:, None] + rows  # [S, Q]
+    visible = (pos <= q_pos[:, :, None]) & (pos < context_lens[:, None, None])  # [S, Q, C]
+
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=visible[:, None],
+        scale=scale,
+        enable_gqa=True,
+    )  # [S, Hq, Q, D]
+    return out.transpose(1, 2)[row_valid]
+
+
+def _torch_backend(query, k_cache, v_cache, batch: PagedBatch, scale: float) -> torch.Tensor:
+    return reference_paged_attention(
+        query, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_starts, scale
+    )
+
+
+def _triton_backend(query, k_cache, v_cache, batch: PagedBatch, scale: float) -> torch.Tensor:
+    return triton_paged_attention(
+        query,
+        k_cache,
+        v_cache,
+        batch.block_tables,
+        batch.context_lens,
+        batch.query_starts,
+        batch.tile_seqs,
+        batch.tile_starts,
+        scale,
+        batch.block_m,
+    )
+
+
+def _flash_backend(query, k_cache, v_cache, batch: PagedBatch, scale: float) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+    if batch.max_query_len == 1:
+        out = flash_attn_with_kvcache(
+            query.unsqueeze(1),
+            k_cache,
+            v_cache,
+            cache_seqlens=batch.context_lens,
+            block_table=batch.block_tables,
+            softmax_scale=scale,
+            causal=True,
+        )
+        return out.squeeze(1)
+    # Causal with fewer queries than keys aligns the queries to the end of the context (flash-attn >= 2.1).
+    return flash_attn_varlen_func(
+        query,
+        k_cache,
+        v_cache,
+        cu_seqlens_q=batch.query_starts,
+        cu_seqlens_k=batch.context_starts,
+        max_seqlen_q=batch.max_query_len,
+        max_seqlen_k=batch.max_context_len,
+        softmax_scale=scale,
+        causal=True,
+        block_table=batch.block_tables,
+    )
+
+
+BACKENDS: dict[str, Callable] = {"torch": _torch_backend, "triton": _triton_backend, "flash": _flash_backend}
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention signature: query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None)."""
+    batch = _current
+    if batch is None:
+        raise RuntimeError(f"attention '{ATTENTION_NAME}' only runs inside fastgrpo.sampling.Engine.generate")
+    if query.shape[0] != 1:
+        raise RuntimeError(f"attention '{ATTENTION_NAME}' expects the packed batch of 1, got {query.shape[0]}")
+    k_cache, v_cache = batch.kv_cache[module.layer_idx].unbind(0)  # [num_blocks, block_size, Hkv, D] each
+    q = query[0].transpose(0, 1).to(k_cache.dtype)  # [T, Hq, D]
+    k_cache.flatten(0, 1)[batch.slot_mapping] = key[0].transpose(0, 1).to(k_cache.dtype)
+    v_cache.flatten(0, 1)[batch.slot_mapping] = value[0].transpose(0, 1).to(k_cache.dtype)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = BACKENDS[batch.backend](q, k_cache, v_cache, batch, scale)  # [T, Hq, D]
+    return out.to(query.dtype).unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

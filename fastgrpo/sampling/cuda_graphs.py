@@ -1,0 +1,98 @@
+"""CUDA graphs of the decode forward (one new token per sequence), one per padded batch size, captured on first use.
+
+A decode step of a small model is dominated by kernel launches (hundreds per forward); replaying a graph makes it
+one launch. Inputs are copied into static buffers; padding rows write their K/V into a scratch page that no
+sequence owns and attend over it alone.
+"""
+
+import torch
+
+from fastgrpo.sampling.attention import PagedBatch, paged_batch
+
+
+def graph_sizes(max_batch: int) -> list[int]:
+    return sorted({*(s for s in (1, 2, 4, 8, *range(16, max_batch, 16)) if s < max_batch), max_batch})
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: torch.Tensor,  # [layers, 2, num_blocks + 1, block_size, Hkv, D]; the last page is scratch
+        max_batch: int,
+        max_blocks_per_seq: int,
+        backend: str,
+        block_m: int,
+    ):
+        device = kv_cache.device
+        self.model, self.kv_cache, self.backend, self.block_m = model, kv_cache, backend, block_m
+        self.scratch_block = kv_cache.shape[2] - 1
+        self.scratch_slot = self.scratch_block * kv_cache.shape[3]
+        self.sizes = graph_sizes(max_batch)
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.slots = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
+        self.query_starts = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self.tile_seqs = torch.arange(max_batch, dtype=torch.int32, device=device)
+        self.tile_starts = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [S] int64
+        positions: torch.Tensor,  # [S] int64
+        slots: torch.Tensor,  # [S] int64
+        block_tables: torch.Tensor,  # [S, w] int32, w <= max_blocks_per_seq
+        context_lens: torch.Tensor,  # [S] int32
+    ) -> torch.Tensor:  # [S, V] logits
+        num_seqs = input_ids.numel()
+        size = next(s for s in self.sizes if s >= num_seqs)
+        self.input_ids[:num_seqs] = input_ids
+        self.positions[:num_seqs] = positions
+        self.slots[:num_seqs] = slots
+        self.slots[num_seqs:size] = self.scratch_slot
+        self.block_tables[:size] = self.scratch_block
+        self.block_tables[:num_seqs, : block_tables.shape[1]] = block_tables
+        self.context_lens[:num_seqs] = context_lens
+        self.context_lens[num_seqs:size] = 1
+        if size not in self.graphs:
+            self._capture(size)
+        self.graphs[size].replay()
+        return self.logits[size][:num_seqs]
+
+    def _capture(self, size: int) -> None:
+        batch = PagedBatch(
+            kv_cache=self.kv_cache,
+            slot_mapping=self.slots[:size],
+            block_tables=self.block_tables[:size],
+            context_lens=self.context_lens[:size],
+            query_starts=self.query_starts[: size + 1],
+            context_starts=self.query_starts[: size + 1],  # unused by decode kernels
+            max_query_len=1,
+            max_context_len=self.block_tables.shape[1] * self.kv_cache.shape[3],
+            backend=self.backend,
+            tile_seqs=self.tile_seqs[:size],
+            tile_starts=self.tile_starts[:size],
+            block_m=self.block_m,
+        )
+
+        def forward() -> torch.Tensor:
+            ids, pos = self.input_ids[:size][None], self.positions[:size][None]
+            return self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+
+        with paged_batch(batch):
+            # Warm up on a side stream (kernel compilation, lazy workspaces), as torch.cuda.graphs asks.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                forward()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[size] = forward()
+        self.pool = graph.pool()
+        self.graphs[size] = graph

@@ -1,0 +1,301 @@
+"""In-process sampling from the policy being trained, with a paged KV cache.
+
+    engine = Engine(model, tokenizer=tokenizer)
+    outputs = engine.generate(prompt_token_ids, n=8, params=SamplingParams(temperature=1.0, max_new_tokens=512))
+    outputs[i][j].token_ids, .logprobs, .finish_reason     # prompt i, completion j
+
+The engine owns no weights: it runs the model's own modules with attention swapped (transformers'
+AttentionInterface) for the duration of `generate`. The KV pool is allocated per call and released at its end, so
+the training step that follows gets the memory back.
+"""
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+from transformers import PreTrainedModel
+
+from fastgrpo.kernels.paged_attention import attention_tiles, block_m
+from fastgrpo.sampling.attention import ATTENTION_NAME, PagedBatch, paged_batch
+from fastgrpo.sampling.block_pool import BlockPool, blocks_for
+from fastgrpo.sampling.cuda_graphs import DecodeGraphs
+from fastgrpo.sampling.params import EngineConfig, SamplingParams
+from fastgrpo.sampling.sampler import sample
+from fastgrpo.sampling.scheduler import Scheduler, Step
+from fastgrpo.sampling.sequence import Group, Sequence
+
+
+@dataclass(slots=True)
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]  # per token: log-softmax of the processed logits it was sampled from
+    finish_reason: str  # "stop" (stop token or stop string) or "length"
+
+
+@dataclass(slots=True)
+class GenerateStats:
+    """What the last `generate` call did."""
+
+    num_blocks: int = 0
+    num_steps: int = 0
+    num_forward_tokens: int = 0  # tokens fed through the model, all steps
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    leaked_blocks: int = 0  # pages still referenced when the call ended (always 0)
+    prompt_tokens_computed: tuple[int, ...] = ()  # per prompt: prompt positions run through the model
+    seconds: float = 0.0
+
+
+def _find_hf_model(model: torch.nn.Module) -> PreTrainedModel:
+    """The transformers model itself, or the one a wrapper (e.g. a peft model) holds."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            return module
+    raise TypeError(f"model must be a transformers PreTrainedModel or wrap one, got {type(model).__name__}")
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass num_blocks")
+
+
+def _flash_attn_installed() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, *, tokenizer=None, **config):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = EngineConfig(**config)
+        self.hf_model = _find_hf_model(model)
+        text_config = self.hf_model.config.get_text_config()
+        self.vocab_size = text_config.vocab_size
+        self.num_layers = text_config.num_hidden_layers
+        self.num_heads = text_config.num_attention_heads
+        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.num_heads
+        for name, module in self.hf_model.named_modules():
+            if getattr(module, "sliding_window", None):
+                raise ValueError(f"{name} uses sliding-window attention, which the paged engine does not implement")
+        self.device = self.hf_model.get_input_embeddings().weight.device
+        self.dtype = self.hf_model.get_input_embeddings().weight.dtype
+        self.backend = self._resolve_backend()
+        self.stats = GenerateStats()
+
+    def _resolve_backend(self) -> str:
+        choice, cuda = self.config.attention, self.device.type == "cuda"
+        half = self.dtype in (torch.float16, torch.bfloat16)
+        if choice == "auto":
+            if not cuda:
+                return "torch"
+            return "flash" if half and self.config.block_size % 256 == 0 and _flash_attn_installed() else "triton"
+        if choice == "flash" and not (cuda and half and _flash_attn_installed()):
+            raise ValueError("attention='flash' needs flash-attn installed, a CUDA model and fp16/bf16 weights")
+        if choice == "triton" and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention='triton' needs a CUDA model (or TRITON_INTERPRET=1 on CPU)")
+        return choice
+
+    # -- the public call --
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], n: int = 1, params: SamplingParams | None = None
+    ) -> list[list[Completion]]:
+        params = SamplingParams() if params is None else params
+        self._check_inputs(prompt_token_ids, n, params)
+        start = time.perf_counter()
+        groups = [
+            Group(index=i, prompt=Sequence(list(prompt), len(prompt)), n=n) for i, prompt in enumerate(prompt_token_ids)
+        ]
+        num_blocks = self._num_blocks(prompt_token_ids, n, params)
+        pool = BlockPool(num_blocks, self.config.block_size)
+        scheduler = Scheduler(
+            groups, pool, self.config.max_num_seqs, self.config.max_num_batched_tokens, self._finish_rule(params)
+        )
+        self.stats = GenerateStats(num_blocks=num_blocks)
+        generator = torch.Generator(self.device)
+        generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
+        max_blocks_per_seq = blocks_for(max(map(len, prompt_token_ids)) + params.max_new_tokens, pool.block_size)
+        with self._sampling_mode():
+            # One page past the pool: scratch for the padding rows of CUDA graphs.
+            kv_cache = torch.zeros(
+                self.num_layers, 2, num_blocks + 1, pool.block_size, self.num_kv_heads, self.head_dim,
+                dtype=self.dtype, device=self.device,
+            )  # fmt: skip
+            graphs = self._decode_graphs(kv_cache, max_blocks_per_seq)
+            while not scheduler.done:
+                step = scheduler.schedule()
+                assert step.seqs, "scheduler made no progress"
+                for src, dst in scheduler.take_copies():
+                    kv_cache[:, :, dst] = kv_cache[:, :, src]
+                tokens, logprobs = self._run(step, kv_cache, params, generator, graphs)
+                scheduler.update(step, tokens, logprobs)
+                self.stats.num_steps += 1
+                self.stats.num_forward_tokens += sum(step.chunks)
+            del kv_cache, graphs
+        self.stats.num_preemptions = scheduler.num_preemptions
+        self.stats.leaked_blocks = num_blocks - pool.num_free
+        self.stats.prompt_tokens_computed = tuple(group.prompt_tokens_computed for group in groups)
+        self.stats.seconds = time.perf_counter() - start
+        outputs = [
+            [Completion(seq.completion_ids, seq.logprobs, seq.finish_reason) for seq in group.children]
+            for group in groups
+        ]
+        self.stats.num_generated_tokens = sum(len(c.token_ids) for group in outputs for c in group)
+        return outputs
+
+    def _check_inputs(self, prompt_token_ids, n, params) -> None:
+        if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
+            raise ValueError("prompt_token_ids must be a non-empty list of token id lists")
+        for i, prompt in enumerate(prompt_token_ids):
+            if not isinstance(prompt, (list, tuple)) or not prompt:
+                raise ValueError(f"prompt_token_ids[{i}] must be a non-empty list of token ids")
+            for token in prompt:
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                    raise ValueError(f"prompt_token_ids[{i}] holds {token!r}, not a token id in [0, {self.vocab_size})")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the engine to have a tokenizer: Engine(model, tokenizer=...)")
+
+    def _num_blocks(self, prompts: list[list[int]], n: int, params: SamplingParams) -> int:
+        """Pages for this call: as configured, or a fraction of free memory capped at what the call can use."""
+        block_size = self.config.block_size
+        # A group keeps its full prompt pages shared; each completion owns the partial page and its new tokens.
+        per_group = [len(p) // block_size + n * blocks_for(len(p) % block_size + params.max_new_tokens, block_size)
+                     for p in prompts]  # fmt: skip
+        if self.config.num_blocks is not None:
+            num_blocks = self.config.num_blocks
+        else:
+            itemsize = torch.empty((), dtype=self.dtype).element_size()
+            bytes_per_block = 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+            budget = _available_memory(self.device) * self.config.memory_fraction
+            num_blocks = min(int(budget // bytes_per_block) - 1, sum(per_group))
+        if num_blocks < max(per_group):
+            raise ValueError(
+                f"num_blocks={num_blocks} pages of {block_size} tokens cannot hold one prompt group "
+                f"(needs {max(per_group)}); raise num_blocks or memory_fraction, or lower n or max_new_tokens"
+            )
+        return num_blocks
+
+    def _finish_rule(self, params: SamplingParams):
+        stop_ids = params.stop_token_ids
+        if stop_ids is None:
+            eos = self.hf_model.generation_config.eos_token_id if self.hf_model.generation_config else None
+            stop_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        stop_ids = frozenset(stop_ids)
+        # A stop string ending at the newest token lies within its last len(s) tokens (each decodes to >= 1 char).
+        window = max(map(len, params.stop), default=0) + 1
+
+        def finish_reason(seq: Sequence) -> str | None:
+            if seq.token_ids[-1] in stop_ids:
+                return "stop"
+            if params.stop:
+                tail = self.tokenizer.decode(seq.token_ids[max(seq.prompt_len, len(seq.token_ids) - window) :])
+                if any(s in tail for s in params.stop):
+                    return "stop"
+            if len(seq.token_ids) - seq.prompt_len >= params.max_new_tokens:
+                return "length"
+            return None
+
+        return finish_reason
+
+    @contextmanager
+    def _sampling_mode(self):
+        """Paged attention, eval mode, no autograd; everything put back afterwards, even on error."""
+        attn_implementation = self.hf_model.config._attn_implementation
+        modes = [(module, module.training) for module in self.model.modules()]
+        self.hf_model.set_attn_implementation(ATTENTION_NAME)
+        if self.hf_model.config._attn_implementation != ATTENTION_NAME:
+            self.hf_model.set_attn_implementation(attn_implementation)
+            raise ValueError(f"{type(self.hf_model).__name__} does not support a swappable attention implementation")
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.hf_model.set_attn_implementation(attn_implementation)
+            for module, training in modes:
+                module.training = training
+
+    def _decode_graphs(self, kv_cache: torch.Tensor, max_blocks_per_seq: int) -> DecodeGraphs | None:
+        if not (self.config.cuda_graphs and self.device.type == "cuda" and self.backend in ("triton", "flash")):
+            return None
+        group = self.num_heads // self.num_kv_heads
+        return DecodeGraphs(
+            self.model, kv_cache, self.config.max_num_seqs, max_blocks_per_seq, self.backend, block_m(group, 1)
+        )
+
+    # -- one forward --
+
+    def _run(self, step: Step, kv_cache, params, generator, graphs) -> tuple[list[int], list[float]]:
+        block_size = self.config.block_size
+        input_ids, positions, slots, query_starts, last_tokens = [], [], [], [0], []
+        for seq, chunk, samples in zip(step.seqs, step.chunks, step.num_samples, strict=True):
+            start, end = seq.num_cached, seq.num_cached + chunk
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            query_starts.append(query_starts[-1] + chunk)
+            if samples:
+                last_tokens.append(query_starts[-1] - 1)
+        context_lens = [seq.num_cached + chunk for seq, chunk in zip(step.seqs, step.chunks, strict=True)]
+        width = max(len(seq.block_table) for seq in step.seqs)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in step.seqs]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        decode_only = max(step.chunks) == 1 and all(samples == 1 for samples in step.num_samples)
+        if graphs is not None and decode_only and len(step.seqs) <= self.config.max_num_seqs:
+            logits = graphs(
+                tensor(input_ids, torch.long),
+                tensor(positions, torch.long),
+                tensor(slots, torch.long),
+                tensor(tables, torch.int32),
+                tensor(context_lens, torch.int32),
+            )
+        else:
+            batch = PagedBatch(
+                kv_cache=kv_cache,
+                slot_mapping=tensor(slots, torch.long),
+                block_tables=tensor(tables, torch.int32),
+                context_lens=tensor(context_lens, torch.int32),
+                query_starts=tensor(query_starts, torch.int32),
+                context_starts=tensor([0, *accumulate(context_lens)], torch.int32),
+                max_query_len=max(step.chunks),
+                max_context_len=max(context_lens),
+                backend=self.backend,
+            )
+            if self.backend == "triton":
+                group = self.num_heads // self.num_kv_heads
+                batch.block_m = block_m(group, batch.max_query_len)
+                tile_seqs, tile_starts = attention_tiles(step.chunks, batch.block_m // group)
+                batch.tile_seqs, batch.tile_starts = tensor(tile_seqs, torch.int32), tensor(tile_starts, torch.int32)
+            with paged_batch(batch):
+                logits = self.model(
+                    input_ids=tensor(input_ids, torch.long)[None],
+                    position_ids=tensor(positions, torch.long)[None],
+                    use_cache=False,
+                    logits_to_keep=tensor(last_tokens, torch.long),
+                ).logits[0]  # [rows that sample, V]
+        if not last_tokens:
+            return [], []
+        counts = [samples for samples in step.num_samples if samples]
+        rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(self.device)
+        tokens, logprobs = sample(logits.float()[rows], params, generator)
+        return tokens.tolist(), logprobs.tolist()

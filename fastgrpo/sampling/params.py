@@ -1,0 +1,88 @@
+"""Options of the sampling engine: what to sample (SamplingParams) and how to run (EngineConfig)."""
+
+from dataclasses import dataclass
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """What to sample. `temperature=0` is greedy; `top_k=0` and `top_p=1` switch those filters off.
+
+    `stop_token_ids=None` stops at the model's `generation_config.eos_token_id` (one or several ids); pass `()` to
+    never stop on a token. Stop tokens and the token that completes a stop string are kept in the completion.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check_int("top_k", self.top_k, 0)
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        if self.stop_token_ids is not None:
+            ids = (self.stop_token_ids,) if isinstance(self.stop_token_ids, int) else tuple(self.stop_token_ids)
+            for token in ids:
+                _check_int("stop_token_ids[i]", token, 0)
+            object.__setattr__(self, "stop_token_ids", ids)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How the engine runs.
+
+    block_size: tokens per KV page. flash-attn's paged kernels need a multiple of 256.
+    num_blocks: pages in the pool; None sizes it from free memory (`memory_fraction` of what is free when
+        `generate` starts), capped at what the call can ever use.
+    max_num_seqs: sequences decoded together at most.
+    max_num_batched_tokens: tokens per forward at most (decode tokens first, then chunks of prompts).
+    attention: "auto" (flash when installed and block_size allows, else triton on CUDA, torch on CPU),
+        "torch" (gather + SDPA reference), "triton", "flash".
+    cuda_graphs: capture decode steps in CUDA graphs (CUDA with the triton or flash backend only).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_fraction: float = 0.8
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    attention: str = "auto"
+    cuda_graphs: bool = True
+
+    def __post_init__(self):
+        _check_int("block_size", self.block_size, 1)
+        if self.num_blocks is not None:
+            _check_int("num_blocks", self.num_blocks, 1)
+        if not isinstance(self.memory_fraction, (int, float)) or not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
+        if self.attention == "flash" and self.block_size % 256:
+            raise ValueError(f"attention='flash' needs block_size to be a multiple of 256, got {self.block_size}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")

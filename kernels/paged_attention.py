@@ -1,0 +1,203 @@
+"""Paged attention over a block KV cache, for prefill, decode and mixed batches in one launch.
+
+Math, per query token t of sequence s (absolute position p_t), query head h, its KV head g = h // GROUP:
+
+    scores_j = (q_{t,h} . k_{j,g}) * scale            for cached positions j <= p_t   (causal)
+    out_{t,h} = sum_j softmax(scores)_j v_{j,g}        (fp32 softmax, online over KV tiles)
+
+Keys/values live in pages: cache[block, offset, kv_head, dim] with block = block_table[s, j // BLOCK_SIZE].
+The plain-PyTorch equivalent is `fastgrpo.sampling.attention.reference_paged_attention`.
+
+One program handles one KV head and a tile of BLOCK_M rows, where a row is (query token, query head of the
+group): GQA heads that share a KV head share every K/V load, and decode (one token per sequence) still fills a
+tensor-core tile once GROUP * tokens >= 16.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+# tl.dot needs M, N, K >= 16.
+MIN_DOT = 16
+# Rows per tile: decode (one query token per sequence) wants the smallest tile that holds a GQA group; prefill
+# wants more tokens per K/V load.
+DECODE_BLOCK_M = 16
+PREFILL_BLOCK_M = 64
+# KV positions per inner step; independent of the page size (a tile may straddle pages).
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+LOG2E = tl.constexpr(1.4426950408889634)  # scores are exponentiated with exp2
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [T, Hq, D] new tokens of all sequences, packed
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    out_ptr,  # [T, Hq, D]
+    block_tables_ptr,  # [S, max_blocks] int32
+    context_lens_ptr,  # [S] int32: cached tokens incl. this step's
+    query_starts_ptr,  # [S + 1] int32: offsets of each sequence's new tokens in q
+    tile_seqs_ptr,  # [num_tiles] int32: sequence of each tile
+    tile_starts_ptr,  # [num_tiles] int32: first query token of each tile, within its sequence
+    scale,  # fp32 softmax scale
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tile_seqs_ptr + tile)
+    tile_start = tl.load(tile_starts_ptr + tile)
+    q_start = tl.load(query_starts_ptr + seq)
+    q_len = tl.load(query_starts_ptr + seq + 1) - q_start
+    context_len = tl.load(context_lens_ptr + seq)
+    TOKENS: tl.constexpr = BLOCK_M // GROUP
+
+    # -- rows: (query token, head of the group) --
+    rows = tl.arange(0, BLOCK_M)
+    token = tile_start + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < TOKENS * GROUP) & (token < q_len)
+    q_pos = context_len - q_len + token  # absolute position of each row's token
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+
+    q_offsets = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    qk_scale = tl.cast(scale, tl.float32) * LOG2E
+
+    # Finite start so fully masked rows (padding) give p = 0 instead of exp2(-inf + inf) = nan.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Causal: this tile never looks past its last token's position.
+    kv_end = context_len - q_len + tl.minimum(tile_start + TOKENS, q_len)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for kv_start in range(0, kv_end, BLOCK_N):
+        kv_pos = kv_start + tl.arange(0, BLOCK_N)
+        kv_valid = kv_pos < kv_end
+        block = tl.load(block_table + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
+        in_block = kv_pos % BLOCK_SIZE
+        kv_mask = kv_valid[:, None] & d_valid[None, :]
+        k_offsets = block[:, None] * stride_kb + in_block[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        k = tl.load(k_cache_ptr + k_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+
+        # -- scores, in log2 units --
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+        s = tl.where(visible, s, -float("inf"))
+
+        # -- online softmax --
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v_offsets = block[:, None] * stride_vb + in_block[:, None] * stride_vs + kv_head * stride_vh + d[None, :]
+        v = tl.load(v_cache_ptr + v_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_offsets = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+
+
+def attention_tiles(query_lens: list[int], tokens_per_tile: int) -> tuple[list[int], list[int]]:
+    """Split each sequence's new tokens into tiles of `tokens_per_tile`: (sequence, first token) per tile."""
+    tile_seqs, tile_starts = [], []
+    for seq, q_len in enumerate(query_lens):
+        for start in range(0, q_len, tokens_per_tile):
+            tile_seqs.append(seq)
+            tile_starts.append(start)
+    return tile_seqs, tile_starts
+
+
+def block_m(group: int, max_query_len: int) -> int:
+    """Rows per program: a power of two that holds at least one whole GQA group."""
+    base = DECODE_BLOCK_M if max_query_len == 1 else PREFILL_BLOCK_M
+    return max(base, triton.next_power_of_2(group))
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    context_lens: torch.Tensor,  # [S] int32
+    query_starts: torch.Tensor,  # [S + 1] int32
+    tile_seqs: torch.Tensor,  # [num_tiles] int32, from attention_tiles
+    tile_starts: torch.Tensor,  # [num_tiles] int32
+    scale: float,
+    block_m: int,
+    out: torch.Tensor | None = None,  # [T, Hq, D]
+    block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached keys/values (which include them)."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    group = num_heads // num_kv_heads
+    assert block_m >= group and block_m & (block_m - 1) == 0, (block_m, group)
+    assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype == query.dtype
+    assert block_tables.dtype == context_lens.dtype == query_starts.dtype == torch.int32
+    assert query_starts.numel() == context_lens.numel() + 1 == block_tables.shape[0] + 1
+    assert tile_seqs.shape == tile_starts.shape
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.stride(-1) == 1
+    grid = (tile_seqs.numel(), num_kv_heads)
+    _paged_attention_kernel[grid](
+        query,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        context_lens,
+        query_starts,
+        tile_seqs,
+        tile_starts,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        # fp32 models get fp32 products (tf32 would cost ~1e-3 relative error).
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
+    return out

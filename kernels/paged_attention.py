@@ -13,20 +13,38 @@ group): GQA heads that share a KV head share every K/V load, and decode (one tok
 tensor-core tile once GROUP * tokens >= 16.
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 # tl.dot needs M, N, K >= 16.
 MIN_DOT = 16
-# Rows per tile: decode (one query token per sequence) wants the smallest tile that holds a GQA group; prefill
-# wants more tokens per K/V load.
-DECODE_BLOCK_M = 16
-PREFILL_BLOCK_M = 64
-# KV positions per inner step; independent of the page size (a tile may straddle pages).
-BLOCK_N = 64
-NUM_WARPS = 4
-NUM_STAGES = 2
+
+
+class Tiles(NamedTuple):
+    block_m: int  # rows (query token x head of the group) per program
+    block_n: int  # KV positions per inner step; independent of the page size (a tile may straddle pages)
+    num_warps: int
+    num_stages: int
+
+
+def tiles_for(group: int, max_query_len: int, dtype: torch.dtype) -> Tiles:
+    """Tile settings; each one builds without register spills for sm_90 and sm_80 at head_dim 128 (tests/aot.py).
+
+    Decode (one query token per sequence) takes the smallest tile that holds a GQA group: 16 x 64 with 4 warps,
+    96/117 registers (sm_90/sm_80) in bf16. Prefill takes 64 query rows per K/V load: 64 x 64 with 4 warps spills
+    on sm_80 (255 registers), with 8 warps it needs 140/172. fp32 ("ieee" products) spills at every tile above
+    16 x 64 with one stage (146/250 registers).
+    """
+    smallest = max(MIN_DOT, triton.next_power_of_2(group))
+    if dtype == torch.float32:
+        return Tiles(smallest, 64, 4, 1)
+    if max_query_len == 1:
+        return Tiles(smallest, 64, 4, 2)
+    return Tiles(max(64, smallest), 64, 8, 2)
+
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores are exponentiated with exp2
 
@@ -132,12 +150,6 @@ def attention_tiles(query_lens: list[int], tokens_per_tile: int) -> tuple[list[i
     return tile_seqs, tile_starts
 
 
-def block_m(group: int, max_query_len: int) -> int:
-    """Rows per program: a power of two that holds at least one whole GQA group."""
-    base = DECODE_BLOCK_M if max_query_len == 1 else PREFILL_BLOCK_M
-    return max(base, triton.next_power_of_2(group))
-
-
 def paged_attention(
     query: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -148,16 +160,15 @@ def paged_attention(
     tile_seqs: torch.Tensor,  # [num_tiles] int32, from attention_tiles
     tile_starts: torch.Tensor,  # [num_tiles] int32
     scale: float,
-    block_m: int,
+    tiles: Tiles,
     out: torch.Tensor | None = None,  # [T, Hq, D]
-    block_n: int = BLOCK_N,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached keys/values (which include them)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     group = num_heads // num_kv_heads
-    assert block_m >= group and block_m & (block_m - 1) == 0, (block_m, group)
+    assert tiles.block_m >= group and tiles.block_m & (tiles.block_m - 1) == 0, (tiles, group)
     assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype == query.dtype
     assert block_tables.dtype == context_lens.dtype == query_starts.dtype == torch.int32
@@ -193,11 +204,11 @@ def paged_attention(
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
         # fp32 models get fp32 products (tf32 would cost ~1e-3 relative error).
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out

@@ -12,8 +12,9 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
+import torch
 import triton
-from fastgrpo.kernels import grpo_token, logprob
+from fastgrpo.kernels import grpo_token, logprob, paged_attention
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -31,14 +32,19 @@ class Build:
     ptxas_report: str
 
     def uses_tensor_cores(self, cc: int) -> bool:
-        return ("wgmma.mma_async" in self.ptx) if cc >= 90 else ("mma.sync" in self.ptx)
+        # sm_90 runs tiles of M >= 64 on wgmma; smaller tiles (decode attention) on mma.sync, still tensor cores.
+        return "wgmma.mma_async" in self.ptx or "mma.sync" in self.ptx if cc >= 90 else "mma.sync" in self.ptx
 
 
 def build(fn, signature: dict, constexprs: dict, cc: int, num_warps: int, num_stages: int) -> Build:
     """Compile `fn` for sm_<cc> and read its resource usage from ptxas."""
+    # The JIT marks pointers and int arguments that are multiples of 16 (strides of real models) as such, which
+    # lets loads vectorize; do the same for pointers and strides here.
+    aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items()
+               if ty.startswith("*") or name.startswith("stride")}
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
     compiled = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned),
         target=GPUTarget("cuda", cc, 32),
         options={"num_warps": num_warps, "num_stages": num_stages},
     )
@@ -104,11 +110,25 @@ def grpo(_dt, sequence=True):
     return grpo_token._grpo_token_kernel, sig, consts, grpo_token.NUM_WARPS, 1
 
 
+def attention(dt, decode: bool):
+    """Paged attention with a Qwen2.5-1.5B head layout: 12 query heads on 2 KV heads (group 6), head_dim 128."""
+    sig = dict(q_ptr=f"*{dt}", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}", out_ptr=f"*{dt}", block_tables_ptr="*i32",
+               context_lens_ptr="*i32", query_starts_ptr="*i32", tile_seqs_ptr="*i32", tile_starts_ptr="*i32",
+               scale="fp32", **{name: "i32" for name in ("stride_qt", "stride_qh", "stride_ot", "stride_oh",
+                                                         "stride_kb", "stride_ks", "stride_kh", "stride_vb",
+                                                         "stride_vs", "stride_vh", "stride_bt")})
+    group, dtype = 6, {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+    tiles = paged_attention.tiles_for(group, 1 if decode else 2, dtype)
+    consts = dict(BLOCK_SIZE=16, GROUP=group, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=tiles.block_m,
+                  BLOCK_N=tiles.block_n, DOT_PRECISION="tf32")
+    return paged_attention._paged_attention_kernel, sig, consts, tiles.num_warps, tiles.num_stages
+
+
 KERNELS = {"logprob_fwd": fwd, "logprob_bwd": bwd, "logprob_bwd_dx_only": bwd_dx_only, "logprob_combine": combine,
-           "grpo_token": grpo}
-GEMM_KERNELS = ("logprob_fwd", "logprob_bwd", "logprob_bwd_dx_only")
-
-
+           "grpo_token": grpo, "paged_attention_decode": lambda dt: attention(dt, decode=True),
+           "paged_attention_prefill": lambda dt: attention(dt, decode=False)}
+GEMM_KERNELS = ("logprob_fwd", "logprob_bwd", "logprob_bwd_dx_only", "paged_attention_decode",
+                "paged_attention_prefill")
 
 
 def build_all(cases):

@@ -11,8 +11,9 @@ import pytest
 
 pytest.importorskip("triton")
 
-NAMES = ("logprob_fwd", "logprob_bwd", "logprob_bwd_dx_only", "logprob_combine", "grpo_token")
-GEMM_KERNELS = ("logprob_fwd", "logprob_bwd", "logprob_bwd_dx_only")
+from aot import GEMM_KERNELS, KERNELS
+
+NAMES = tuple(KERNELS)
 CASES = [(name, dtype, cc) for name in NAMES for dtype in (("bf16", "fp16", "fp32") if name in GEMM_KERNELS else
                                                              ("bf16",)) for cc in (90, 80)]
 
@@ -29,10 +30,10 @@ def builds():
 @pytest.mark.parametrize("name,dtype,cc", CASES)
 def test_kernel_builds_for_gpu(builds, name, dtype, cc):
     b = builds[(name, dtype, cc)]
-    print(f"\n{name:16s} {dtype} sm_{cc}: {b['registers']} registers, {b['shared_bytes']} B shared, "
+    print(f"\n{name:24s} {dtype} sm_{cc}: {b['registers']} registers, {b['shared_bytes']} B shared, "
           f"spills {b['spill_stores']}/{b['spill_loads']} B (stores/loads), tensor cores: {b['tensor_cores']}")
     if name in GEMM_KERNELS and dtype != "fp32":  # fp32 "ieee" products run on the FMA units by design
         assert b["tensor_cores"], f"{name} does not use tensor cores on sm_{cc}"
-        if cc == 90 and dtype == "bf16":
+        if cc == 90 and dtype == "bf16" and name != "paged_attention_decode":  # wgmma needs M >= 64; decode has 16
             assert b["wgmma_bf16"], "expected bf16 wgmma on sm_90"
     assert b["spill_stores"] == 0 and b["spill_loads"] == 0, b["ptxas_report"]

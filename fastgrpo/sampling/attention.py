@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from fastgrpo.kernels.paged_attention import Tiles
 from fastgrpo.kernels.paged_attention import paged_attention as triton_paged_attention
 
 ATTENTION_NAME = "fastgrpo_paged"
@@ -34,7 +35,7 @@ class PagedBatch:
     backend: str
     tile_seqs: torch.Tensor | None = None  # [num_tiles] int32 (triton)
     tile_starts: torch.Tensor | None = None  # [num_tiles] int32 (triton)
-    block_m: int = 0  # rows per triton program
+    tiles: Tiles | None = None  # triton
 
 
 _current: PagedBatch | None = None
@@ -106,7 +107,7 @@ def _triton_backend(query, k_cache, v_cache, batch: PagedBatch, scale: float) ->
         batch.tile_seqs,
         batch.tile_starts,
         scale,
-        batch.block_m,
+        batch.tiles,
     )
 
 

@@ -7,6 +7,7 @@ sequence owns and attend over it alone.
 
 import torch
 
+from fastgrpo.kernels.paged_attention import Tiles
 from fastgrpo.sampling.attention import PagedBatch, paged_batch
 
 
@@ -22,10 +23,10 @@ class DecodeGraphs:
         max_batch: int,
         max_blocks_per_seq: int,
         backend: str,
-        block_m: int,
+        tiles: Tiles | None,
     ):
         device = kv_cache.device
-        self.model, self.kv_cache, self.backend, self.block_m = model, kv_cache, backend, block_m
+        self.model, self.kv_cache, self.backend, self.tiles = model, kv_cache, backend, tiles
         self.scratch_block = kv_cache.shape[2] - 1
         self.scratch_slot = self.scratch_block * kv_cache.shape[3]
         self.sizes = graph_sizes(max_batch)
@@ -77,7 +78,7 @@ class DecodeGraphs:
             backend=self.backend,
             tile_seqs=self.tile_seqs[:size],
             tile_starts=self.tile_starts[:size],
-            block_m=self.block_m,
+            tiles=self.tiles,
         )
 
         def forward() -> torch.Tensor:

@@ -18,7 +18,7 @@ from itertools import accumulate
 import torch
 from transformers import PreTrainedModel
 
-from fastgrpo.kernels.paged_attention import attention_tiles, block_m
+from fastgrpo.kernels.paged_attention import attention_tiles, tiles_for
 from fastgrpo.sampling.attention import ATTENTION_NAME, PagedBatch, paged_batch
 from fastgrpo.sampling.block_pool import BlockPool, blocks_for
 from fastgrpo.sampling.cuda_graphs import DecodeGraphs
@@ -235,10 +235,8 @@ class Engine:
     def _decode_graphs(self, kv_cache: torch.Tensor, max_blocks_per_seq: int) -> DecodeGraphs | None:
         if not (self.config.cuda_graphs and self.device.type == "cuda" and self.backend in ("triton", "flash")):
             return None
-        group = self.num_heads // self.num_kv_heads
-        return DecodeGraphs(
-            self.model, kv_cache, self.config.max_num_seqs, max_blocks_per_seq, self.backend, block_m(group, 1)
-        )
+        tiles = tiles_for(self.num_heads // self.num_kv_heads, 1, self.dtype)
+        return DecodeGraphs(self.model, kv_cache, self.config.max_num_seqs, max_blocks_per_seq, self.backend, tiles)
 
     # -- one forward --
 
@@ -283,8 +281,8 @@ class Engine:
             )
             if self.backend == "triton":
                 group = self.num_heads // self.num_kv_heads
-                batch.block_m = block_m(group, batch.max_query_len)
-                tile_seqs, tile_starts = attention_tiles(step.chunks, batch.block_m // group)
+                batch.tiles = tiles_for(group, batch.max_query_len, self.dtype)
+                tile_seqs, tile_starts = attention_tiles(step.chunks, batch.tiles.block_m // group)
                 batch.tile_seqs, batch.tile_starts = tensor(tile_seqs, torch.int32), tensor(tile_starts, torch.int32)
             with paged_batch(batch):
                 logits = self.model(

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from fastgrpo.kernels import grpo_token, logprob, paged_attention
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from fastgrpo.kernels import grpo_token, logprob, paged_attention
 
 # The builds need real JIT functions: this module runs as its own process, without TRITON_INTERPRET.
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")

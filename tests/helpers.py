@@ -1,6 +1,8 @@
-"""Shared test helpers: three-way comparisons with verbose failures, and GRPO problem builders."""
+"""Shared test helpers: three-way comparisons with verbose failures, GRPO problem builders, a tokenizer."""
 
+import tokenizers
 import torch
+from transformers import PreTrainedTokenizerFast
 
 # Allowed error of a fast path beyond the same-dtype torch reference's own error, relative to the value's scale.
 # fp32: both are ~1e-6 off float64; the kernels' different summation order adds a few ulps over V terms.
@@ -47,3 +49,12 @@ def make_head(N_shape, H, V, seed=0, scale=1.0, bias=False, dtype=torch.float64)
 
 def leaf(t, dtype):
     return None if t is None else t.detach().to(dtype).clone().requires_grad_()
+
+
+def word_tokenizer(num_words: int) -> PreTrainedTokenizerFast:
+    """Offline word-level tokenizer: <pad> 0, <eos> 1, <unk> 2, then words w0 .. w{num_words - 1}."""
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(num_words)}}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")

@@ -18,10 +18,10 @@ import pytest
 
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
-tokenizers = pytest.importorskip("tokenizers")
 
 import torch  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from helpers import word_tokenizer  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from fastgrpo.loss import LossConfig, fused_grpo_loss  # noqa: E402
@@ -106,14 +106,10 @@ def _one_thread_and_max_diffs():
 def workdir(tmp_path_factory):
     """A tiny fp32 Qwen2 and a word-level tokenizer, saved offline to a temporary folder."""
     path = tmp_path_factory.mktemp("trl_parity")
-    vocab = {"<pad>": PAD_ID, "<eos>": EOS_ID, "<unk>": 2, **{f"w{i}": i + 3 for i in range(VOCAB_WORDS)}}
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
-                                        unk_token="<unk>")
+    tokenizer = word_tokenizer(VOCAB_WORDS)
     tokenizer.save_pretrained(path)
     config = Qwen2Config(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=PAD_ID,
         bos_token_id=EOS_ID, eos_token_id=EOS_ID,
     )

@@ -1,0 +1,359 @@
+"""The paged sampling engine on tiny random Qwen2 / Qwen3 / Llama models (CPU, fp32), against HF `generate` and
+full forward passes."""
+
+import copy
+import os
+
+import pytest
+import torch
+from helpers import assert_close, word_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from fastgrpo.sampling import Engine, EngineConfig, SamplingParams
+from fastgrpo.sampling.sampler import processed_logits
+
+NUM_WORDS = 125  # vocab 128 with the 3 special tokens
+
+
+def tiny(family: str, seed: int = 0):
+    """A tiny fp32 model with peaked output distributions (random init std 0.02 makes them almost uniform, and
+    greedy ties would then hinge on the last ulp)."""
+    common = dict(vocab_size=NUM_WORDS + 3, num_hidden_layers=2, max_position_embeddings=256, eos_token_id=1,
+                  pad_token_id=0, bos_token_id=1, tie_word_embeddings=False)
+    if family == "qwen2":  # 4 query heads on 2 KV heads
+        model_cls, config = Qwen2ForCausalLM, Qwen2Config(hidden_size=64, intermediate_size=128,
+                                                          num_attention_heads=4, num_key_value_heads=2, **common)
+    elif family == "qwen3":  # q/k norms, explicit head_dim
+        model_cls, config = Qwen3ForCausalLM, Qwen3Config(hidden_size=64, intermediate_size=128, head_dim=16,
+                                                          num_attention_heads=4, num_key_value_heads=4, **common)
+    else:  # 6 query heads on 1 KV head
+        model_cls, config = LlamaForCausalLM, LlamaConfig(hidden_size=96, intermediate_size=128,
+                                                          num_attention_heads=6, num_key_value_heads=1, **common)
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "llama"])
+def model(request):
+    return tiny(request.param)
+
+
+def prompts_for(block_size: int, seed: int = 0) -> list[list[int]]:
+    """Ragged lengths at and across page boundaries."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, block_size - 1, block_size, block_size + 1, 2 * block_size + 1, 37]
+    return [torch.randint(3, NUM_WORDS + 3, (n,), generator=g).tolist() for n in lengths if n > 0]
+
+
+def hf_greedy(model, prompt, max_new_tokens):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+NO_STOP = dict(stop_token_ids=())
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_greedy_matches_hf_generate(model, block_size):
+    prompts = prompts_for(block_size)
+    engine = Engine(model, block_size=block_size)
+    outputs = engine.generate(prompts, n=2, params=SamplingParams(temperature=0, max_new_tokens=24, **NO_STOP))
+    for prompt, completions in zip(prompts, outputs, strict=True):
+        want = hf_greedy(model, prompt, 24)
+        for c in completions:
+            assert c.token_ids == want, (len(prompt), c.token_ids, want)
+            assert c.finish_reason == "length" and len(c.logprobs) == 24
+    assert engine.stats.leaked_blocks == 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU run of the Triton backend")
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_triton_backend_greedy_matches_hf_generate(family):
+    model = tiny(family)
+    prompts = prompts_for(4)
+    engine = Engine(model, block_size=4, attention="triton", max_num_batched_tokens=24)  # chunked, mixed batches
+    outputs = engine.generate(prompts, n=2, params=SamplingParams(temperature=0, max_new_tokens=10, **NO_STOP))
+    for prompt, completions in zip(prompts, outputs, strict=True):
+        want = hf_greedy(model, prompt, 10)
+        assert all(c.token_ids == want for c in completions), (len(prompt), want)
+    assert engine.stats.leaked_blocks == 0
+
+
+def full_forward_logits(model, prompt, completion):
+    """[len(completion), V] fp32 logits that predicted each completion token, from one plain forward pass."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    return logits[len(prompt) - 1 : -1]
+
+
+def expected_logprobs(logits, tokens, temperature, top_k, top_p):
+    """Log-softmax of the processed logits at `tokens`, written out independently of the sampler."""
+    z = logits / temperature
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if top_k:
+        keep &= z >= z.topk(top_k, dim=-1).values[:, -1:]
+    if top_p < 1:
+        for row in range(z.shape[0]):
+            order = z[row].masked_fill(~keep[row], float("-inf")).argsort(descending=True)
+            probs = z[row].masked_fill(~keep[row], float("-inf")).softmax(0)[order]
+            mass, kept = 0.0, torch.zeros_like(keep[row])
+            for token, p in zip(order.tolist(), probs.tolist(), strict=True):
+                if mass >= top_p:
+                    break
+                kept[token], mass = True, mass + p
+            keep[row] &= kept
+    logp = z.masked_fill(~keep, float("-inf")).log_softmax(-1)
+    return logp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.8, 7, 1.0), (1.3, 0, 0.8),
+                                                     (0.9, 20, 0.9)])
+def test_sampled_logprobs_match_full_forward(model, temperature, top_k, top_p):
+    prompts = prompts_for(4)[:4]
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=16, seed=1, **NO_STOP)
+    outputs = Engine(model, block_size=4).generate(prompts, n=3, params=params)
+    for prompt, completions in zip(prompts, outputs, strict=True):
+        for c in completions:
+            logits = full_forward_logits(model, prompt, c.token_ids)
+            want = expected_logprobs(logits, c.token_ids, temperature, top_k, top_p)
+            assert torch.isfinite(want).all(), "sampled a token outside the top-k / top-p set"
+            assert_close("logprobs", torch.tensor(c.logprobs), want, atol=1e-4)
+
+
+def test_greedy_logprobs_are_the_raw_log_softmax(model):
+    prompts = prompts_for(16)[:3]
+    outputs = Engine(model).generate(prompts, n=1, params=SamplingParams(temperature=0, max_new_tokens=8, **NO_STOP))
+    for prompt, (c,) in zip(prompts, outputs, strict=True):
+        logp = full_forward_logits(model, prompt, c.token_ids).log_softmax(-1)
+        assert c.token_ids == logp.argmax(-1).tolist()
+        assert_close("logprobs", torch.tensor(c.logprobs), logp.max(-1).values, atol=1e-4)
+
+
+def test_prompt_is_prefilled_once_per_group(model):
+    """Count every token that enters the model: each prompt once, then each completion's tokens but its last."""
+    prompts, n = prompts_for(4), 8
+    fed = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: fed.append(args[0].numel()))
+    try:
+        engine = Engine(model, block_size=4)
+        outputs = engine.generate(prompts, n=n, params=SamplingParams(max_new_tokens=6, seed=0, **NO_STOP))
+    finally:
+        hook.remove()
+    assert engine.stats.prompt_tokens_computed == tuple(len(p) for p in prompts)
+    completion_tokens = sum(len(c.token_ids) - 1 for group in outputs for c in group)
+    assert sum(fed) == sum(len(p) for p in prompts) + completion_tokens
+    assert sum(fed) < n * sum(len(p) for p in prompts)
+    assert engine.stats.num_preemptions == 0 and engine.stats.leaked_blocks == 0
+
+
+def test_preemption_recomputes_and_frees_everything(model):
+    prompts = prompts_for(4)
+    params = SamplingParams(temperature=0, max_new_tokens=12, **NO_STOP)
+    want = Engine(model, block_size=4).generate(prompts, n=3, params=params)
+    engine = Engine(model, block_size=4, num_blocks=22, max_num_batched_tokens=7)  # one group needs <= 21 pages
+    got = engine.generate(prompts, n=3, params=params)
+    assert engine.stats.num_preemptions > 0
+    assert engine.stats.leaked_blocks == 0
+    assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in want]
+    assert engine.stats.num_blocks == 22
+
+
+def test_max_num_seqs_and_token_budget_do_not_change_results(model):
+    prompts = prompts_for(4)
+    params = SamplingParams(temperature=0, max_new_tokens=8, **NO_STOP)
+    want = Engine(model, block_size=4).generate(prompts, n=2, params=params)
+    engine = Engine(model, block_size=4, max_num_seqs=3, max_num_batched_tokens=5)
+    got = engine.generate(prompts, n=2, params=params)
+    assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in want]
+    assert engine.stats.leaked_blocks == 0
+
+
+def test_stop_token_ids(model):
+    prompts = prompts_for(4)
+    free = Engine(model, block_size=4).generate(prompts, n=1, params=SamplingParams(temperature=0, max_new_tokens=16,
+                                                                                    **NO_STOP))
+    stop = {free[0][0].token_ids[5], free[1][0].token_ids[9]}
+    engine = Engine(model, block_size=4)
+    outputs = engine.generate(prompts, n=2, params=SamplingParams(temperature=0, max_new_tokens=16,
+                                                                 stop_token_ids=sorted(stop)))
+    for full, completions in zip(free, outputs, strict=True):
+        tokens = full[0].token_ids
+        cut = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
+        for c in completions:
+            assert c.token_ids == tokens[:cut], "stops at the first stop token, and keeps it"
+            assert c.finish_reason == ("stop" if cut < len(tokens) or tokens[-1] in stop else "length")
+    assert outputs[0][0].finish_reason == "stop"
+    assert engine.stats.leaked_blocks == 0
+
+
+def test_default_stop_is_the_models_eos(model):
+    prompts = prompts_for(4)
+    free = Engine(model).generate(prompts, n=1, params=SamplingParams(temperature=0, max_new_tokens=12, **NO_STOP))
+    eos = free[0][0].token_ids[3]
+    model.generation_config.eos_token_id = [eos, 0]
+    try:
+        outputs = Engine(model).generate(prompts, n=1, params=SamplingParams(temperature=0, max_new_tokens=12))
+    finally:
+        model.generation_config.eos_token_id = 1
+    assert outputs[0][0].token_ids == free[0][0].token_ids[: free[0][0].token_ids.index(eos) + 1]
+    assert outputs[0][0].finish_reason == "stop"
+
+
+def test_stop_strings(model):
+    tokenizer = word_tokenizer(NUM_WORDS)
+    prompts = prompts_for(4)
+    free = Engine(model).generate(prompts, n=1, params=SamplingParams(temperature=0, max_new_tokens=16, **NO_STOP))
+    target = free[2][0].token_ids[6]
+    stop = " ".join(tokenizer.convert_ids_to_tokens([target]))  # e.g. "w42"; also matches inside "w420"...
+    engine = Engine(model, tokenizer=tokenizer, block_size=4)
+    outputs = engine.generate(prompts, n=2, params=SamplingParams(temperature=0, max_new_tokens=16, stop=[stop],
+                                                                 **NO_STOP))
+    for full, completions in zip(free, outputs, strict=True):
+        tokens = full[0].token_ids
+        cut = next((j + 1 for j in range(len(tokens)) if stop in tokenizer.decode(tokens[: j + 1])), len(tokens))
+        for c in completions:
+            assert c.token_ids == tokens[:cut]
+    assert outputs[2][0].finish_reason == "stop" and len(outputs[2][0].token_ids) <= 7
+    assert engine.stats.leaked_blocks == 0
+
+
+def test_same_seed_same_completions(model):
+    prompts = prompts_for(4)
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=12, seed=123, **NO_STOP)
+    runs = [Engine(model, block_size=4).generate(prompts, n=4, params=params) for _ in range(2)]
+    assert runs[0] == runs[1]
+    other = Engine(model, block_size=4).generate(prompts, n=4, params=SamplingParams(
+        temperature=1.0, top_p=0.95, max_new_tokens=12, seed=124, **NO_STOP))
+    assert other != runs[0]
+    # The G completions of one prompt are distinct draws, not copies.
+    assert len({tuple(c.token_ids) for c in runs[0][-1]}) > 1
+
+
+def test_state_is_restored_and_gradients_flow():
+    model = tiny("qwen2")
+    model.train()
+    model.model.layers[1].mlp.eval()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    before = copy.deepcopy(model)
+    attn = model.config._attn_implementation
+    modes = {name: m.training for name, m in model.named_modules()}
+    Engine(model).generate(prompts_for(4), n=2, params=SamplingParams(max_new_tokens=5, seed=0))
+
+    assert model.config._attn_implementation == attn
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    assert not model.model.embed_tokens.weight.requires_grad
+
+    ids = torch.tensor([prompts_for(4)[-1]])
+    for m in (model, before):
+        m(ids, labels=ids).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), before.parameters(), strict=True):
+        assert torch.equal(p, q), f"{name} changed"
+        if p.requires_grad:
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+            assert torch.equal(p.grad, q.grad), f"{name}: gradient differs from a model that never sampled"
+
+
+def test_state_is_restored_after_an_error():
+    model = tiny("llama")
+    attn = model.config._attn_implementation
+    model.train()
+
+    def boom(*args):
+        raise RuntimeError("boom")
+
+    hook = model.model.layers[0].register_forward_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        Engine(model).generate([[5, 6, 7]], n=2)
+    hook.remove()
+    assert model.config._attn_implementation == attn and model.training
+
+
+def test_lora_model_samples_with_its_adapters():
+    peft = pytest.importorskip("peft")
+    base = tiny("qwen2")
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                     init_lora_weights=False))
+    prompts = prompts_for(4)[:3]
+    params = SamplingParams(temperature=0, max_new_tokens=10, **NO_STOP)
+    outputs = Engine(lora).generate(prompts, n=1, params=params)
+    for prompt, (c,) in zip(prompts, outputs, strict=True):
+        assert c.token_ids == hf_greedy(lora, prompt, 10)
+    with lora.disable_adapter():
+        plain = Engine(lora).generate(prompts, n=1, params=params)
+    assert [g[0].token_ids for g in plain] == [hf_greedy(tiny("qwen2"), p, 10) for p in prompts]
+    assert plain != outputs
+
+
+def test_processed_logits_keep_the_top_k_and_the_top_p_mass():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    kept = lambda **kw: torch.isfinite(processed_logits(logits, SamplingParams(**kw))).sum().item()
+    assert kept(top_k=2) == 2 and kept(top_k=0) == 5 and kept(top_k=50) == 5
+    probs = logits.softmax(-1)[0]  # 0.636, 0.234, 0.086, ...
+    assert kept(top_p=0.5) == 1 and kept(top_p=float(probs[0]) + 0.01) == 2 and kept(top_p=0.95) == 3
+    assert torch.equal(processed_logits(logits, SamplingParams(temperature=0)), logits)
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"), (dict(max_new_tokens=0), "max_new_tokens"), (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(seed=1.5), "seed"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_size=0), "block_size"), (dict(num_blocks=0), "num_blocks"), (dict(memory_fraction=0), "memory_frac"),
+    (dict(max_num_seqs=0), "max_num_seqs"), (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (dict(attention="xformers"), "attention"), (dict(attention="flash", block_size=16), "multiple of 256"),
+])
+def test_bad_engine_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_bad_generate_inputs():
+    model = tiny("qwen2")
+    engine = Engine(model)
+    for prompts, match in [([], "prompt_token_ids"), ([[]], r"prompt_token_ids\[0\]"),
+                           ([[1, 2], [3, 999]], r"prompt_token_ids\[1\]"), ([[1, 2.0]], r"prompt_token_ids\[0\]")]:
+        with pytest.raises(ValueError, match=match):
+            engine.generate(prompts)
+    with pytest.raises(ValueError, match="^n must"):
+        engine.generate([[1, 2]], n=0)
+    with pytest.raises(TypeError, match="params"):
+        engine.generate([[1, 2]], params=dict(temperature=0))
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine.generate([[1, 2]], params=SamplingParams(stop=["w3"]))
+    with pytest.raises(ValueError, match="num_blocks=3"):
+        Engine(model, block_size=4, num_blocks=3).generate([[1] * 9], n=2, params=SamplingParams(max_new_tokens=8))
+    with pytest.raises(ValueError, match="attention='triton'"):
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            os.environ["TRITON_INTERPRET"] = "0"
+            try:
+                Engine(model, attention="triton")
+            finally:
+                os.environ["TRITON_INTERPRET"] = "1"
+        else:
+            Engine(model, attention="triton")
+    assert model.config._attn_implementation != "fastgrpo_paged"
+
+
+def test_sliding_window_models_are_refused():
+    config = Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                         max_window_layers=0)
+    with pytest.raises(ValueError, match="sliding-window"):
+        Engine(Qwen2ForCausalLM(config))
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        Engine(torch.nn.Linear(2, 2))

@@ -1,0 +1,185 @@
+"""Sampling throughput and peak memory: fastgrpo's paged engine vs HF `generate` and transformers' `generate_batch`.
+
+Workload: random-weight Qwen2-shaped model, P random prompts of equal length, G completions each, sampled at
+temperature 1 with no stop token, so every method generates exactly P x G x max_new_tokens tokens. Each method runs
+in its own process (clean peak memory), after an untimed warm-up call of the same method (kernel compilation).
+tokens/s counts generated tokens over the wall time of the one timed call.
+
+    fastgrpo bench sampling                       # CPU: tiny model; GPU: Qwen2.5-1.5B shape, 64 x 8, 256 + 512
+    python -m fastgrpo bench sampling --prompts 16 --max-new-tokens 128
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from fastgrpo.bench import PeakMemory, environment, markdown_table, write_results
+
+SHAPES = {
+    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2),
+    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
+}  # fmt: skip
+METHODS = ("fastgrpo", "hf_generate", "generate_batch")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: str
+    device: str
+    dtype: str
+    prompts: int
+    group_size: int
+    prompt_len: int
+    max_new_tokens: int
+
+    def prompt_ids(self, vocab_size: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(3, vocab_size, (self.prompts, self.prompt_len), generator=g).tolist()
+
+
+def build_model(workload: Workload):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SHAPES[workload.shape], max_position_embeddings=32768, eos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(workload.device):
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = None
+    return model.to(DTYPES[workload.dtype]).eval()
+
+
+def _caller(method: str, model, workload: Workload):
+    """A no-argument call that samples the workload with `method`, and a function counting its new tokens."""
+    from transformers import GenerationConfig
+
+    from fastgrpo.sampling import Engine, SamplingParams
+
+    prompts, group, new = workload.prompt_ids(model.config.vocab_size), workload.group_size, workload.max_new_tokens
+    if method == "fastgrpo":
+        engine = Engine(model)
+        params = SamplingParams(temperature=1.0, max_new_tokens=new, stop_token_ids=(), seed=0)
+        return (lambda: engine.generate(prompts, n=group, params=params),
+                lambda out: sum(len(c.token_ids) for completions in out for c in completions))
+    if method == "hf_generate":
+        ids = torch.tensor(prompts, device=workload.device)
+        return (lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                       top_k=0, top_p=1.0, max_new_tokens=new, num_return_sequences=group,
+                                       eos_token_id=None, pad_token_id=0),
+                lambda out: (out.shape[1] - workload.prompt_len) * out.shape[0])
+    if method == "generate_batch":
+        config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
+                                  eos_token_id=None, pad_token_id=0)
+        inputs = [p for p in prompts for _ in range(group)]
+        return (lambda: model.generate_batch(inputs=inputs, generation_config=config, progress_bar=False),
+                lambda out: sum(len(o.generated_tokens) for o in out.values()))
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def measure(method: str, workload: Workload) -> dict:
+    """Run in this process: warm up on a small call, then time one call of the workload."""
+    device = torch.device(workload.device)
+    model = build_model(workload)
+    small = Workload(**{**asdict(workload), "prompts": 1, "group_size": 2, "max_new_tokens": 8})
+    warm, _ = _caller(method, model, small)
+    warm()
+    call, count = _caller(method, model, workload)
+    with PeakMemory(device).measure() as memory:
+        start = time.perf_counter()
+        out = call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+    tokens = count(out)
+    expected = workload.prompts * workload.group_size * workload.max_new_tokens
+    assert tokens == expected, f"{method} generated {tokens} tokens, expected {expected}"
+    return {"method": method, **asdict(workload), "generated_tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds, "peak_memory_bytes": memory.peak_bytes}
+
+
+def run_isolated(method: str, workload: Workload) -> dict:
+    cmd = [sys.executable, "-m", "fastgrpo.bench.sampling", "--one", method, json.dumps(asdict(workload))]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"method": method, **asdict(workload), "error": out.stderr.strip().splitlines()[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def default_workload(device: str, quick: bool) -> dict:
+    if quick:
+        return dict(shape="tiny", prompts=2, group_size=4, prompt_len=16, max_new_tokens=16)
+    if device == "cuda":
+        return dict(shape="qwen2.5-1.5b", prompts=64, group_size=8, prompt_len=256, max_new_tokens=512)
+    return dict(shape="tiny", prompts=8, group_size=8, prompt_len=64, max_new_tokens=128)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="a few seconds on a CPU: tiny model, 2 x 4 x 16 tokens")
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--shape", choices=tuple(SHAPES), help="model shape (random weights)")
+    parser.add_argument("--prompts", type=int, help="number of prompts P")
+    parser.add_argument("--group-size", type=int, help="completions per prompt G")
+    parser.add_argument("--prompt-len", type=int, help="tokens per prompt")
+    parser.add_argument("--max-new-tokens", type=int, help="tokens per completion (no stop token)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--out-dir", default="benchmarks/results", help="where the .json and .md results go")
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    defaults = default_workload(device, args.quick)
+    chosen = dict(shape=args.shape, prompts=args.prompts, group_size=args.group_size, prompt_len=args.prompt_len,
+                  max_new_tokens=args.max_new_tokens)
+    for name in ("prompts", "group_size", "prompt_len", "max_new_tokens"):
+        if chosen[name] is not None and chosen[name] < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {chosen[name]}")
+    workload = Workload(device=device, dtype=args.dtype or ("bf16" if device == "cuda" else "fp32"),
+                        **{k: v if v is not None else defaults[k] for k, v in chosen.items()})
+    rows = [run_isolated(method, workload) for method in args.methods]
+    baseline = next((r for r in rows if r["method"] == "hf_generate" and "error" not in r), None)
+    for row in rows:
+        if "error" not in row and baseline:
+            row["speedup_vs_hf_generate"] = row["tokens_per_s"] / baseline["tokens_per_s"]
+            row["memory_vs_hf_generate"] = row["peak_memory_bytes"] / max(baseline["peak_memory_bytes"], 1)
+        row["peak_memory_mib"] = row.get("peak_memory_bytes", 0) / 2**20 if "error" not in row else None
+    env = environment(torch.device(device))
+    for row in rows:
+        row.update(env)
+    table = markdown_table(rows, [("method", "method", ""), ("tokens/s", "tokens_per_s", ".1f"),
+                                  ("seconds", "seconds", ".2f"), ("peak MiB", "peak_memory_mib", ".1f"),
+                                  ("x HF generate", "speedup_vs_hf_generate", ".2f"),
+                                  ("memory / HF generate", "memory_vs_hf_generate", ".2f")])
+    title = (f"{workload.shape} ({workload.dtype}) on {env['device']}: {workload.prompts} prompts x G="
+             f"{workload.group_size}, prompt {workload.prompt_len}, {workload.max_new_tokens} new tokens each")
+    print(title)
+    print(table)
+    for row in rows:
+        if "error" in row:
+            print(f"{row['method']} failed: {row['error']}")
+    json_path, md_path = write_results(args.out_dir, "sampling", env, rows, f"{title}\n\n{table}")
+    print(f"wrote {json_path} and {md_path}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--one"]:  # the per-method child process of run_isolated
+        print(json.dumps(measure(argv[1], Workload(**json.loads(argv[2])))))
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

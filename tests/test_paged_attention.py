@@ -62,27 +62,31 @@ def batches(B):
     }
 
 
-def run_case(batch, group, block_size, head_dim, share_prefix, tiles, seed=0):
+def run_case(batch, group, block_size, head_dim, share_prefix, tiles, seed=0, device="cpu", dtype=torch.float32):
+    """float64 dense truth, the torch reference in float64 and in `dtype`, the Triton kernel in `dtype`."""
     seqs = batches(block_size)[batch]
     num_kv_heads = 2
     tables, block_tables, k64, v64 = make_cache(seqs, num_kv_heads, head_dim, block_size, share_prefix, seed)
     g = torch.Generator().manual_seed(seed + 1)
     q_lens = [q for _, q in seqs]
     q64 = torch.randn(sum(q_lens), group * num_kv_heads, head_dim, generator=g, dtype=torch.float64)
+    q64, k64, v64 = (t.to(dtype).double() for t in (q64, k64, v64))  # truth of the rounded inputs
     context_lens = torch.tensor([c for c, _ in seqs], dtype=torch.int32)
     query_starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     scale = head_dim**-0.5
 
     truth = dense_attention(q64, k64, v64, tables, seqs, scale)
-    q, k, v = q64.float(), k64.float(), v64.float()
-    ref32 = reference_paged_attention(q, k, v, block_tables, context_lens, query_starts, scale)
-    tiles = tiles or tiles_for(group, max(q_lens), torch.float32)
-    tile_seqs, tile_starts = attention_tiles(q_lens, tiles.block_m // group)
-    fast = paged_attention(q, k, v, block_tables, context_lens, query_starts,
-                           torch.tensor(tile_seqs, dtype=torch.int32), torch.tensor(tile_starts, dtype=torch.int32),
-                           scale, tiles)
     ref64 = reference_paged_attention(q64, k64, v64, block_tables, context_lens, query_starts, scale)
-    return truth, ref64, ref32, fast
+    q, k, v, block_tables, context_lens, query_starts = (
+        t.to(device, dtype if t.is_floating_point() else t.dtype)
+        for t in (q64, k64, v64, block_tables, context_lens, query_starts))
+    ref = reference_paged_attention(q, k, v, block_tables, context_lens, query_starts, scale)
+    tiles = tiles or tiles_for(group, max(q_lens), dtype)
+    tile_seqs, tile_starts = attention_tiles(q_lens, tiles.block_m // group)
+    as_i32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)
+    fast = paged_attention(q, k, v, block_tables, context_lens, query_starts, as_i32(tile_seqs), as_i32(tile_starts),
+                           scale, tiles)
+    return truth, ref64, ref.cpu(), fast.cpu()
 
 
 @pytest.mark.parametrize("batch", list(batches(16)))

@@ -49,10 +49,10 @@ def prompts_for(block_size: int, seed: int = 0) -> list[list[int]]:
 
 
 def hf_greedy(model, prompt, max_new_tokens):
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 NO_STOP = dict(stop_token_ids=())
@@ -86,7 +86,7 @@ def test_triton_backend_greedy_matches_hf_generate(family):
 
 def full_forward_logits(model, prompt, completion):
     """[len(completion), V] fp32 logits that predicted each completion token, from one plain forward pass."""
-    ids = torch.tensor([prompt + completion])
+    ids = torch.tensor([prompt + completion], device=model.device)
     with torch.no_grad():
         logits = model(ids).logits[0].float()
     return logits[len(prompt) - 1 : -1]

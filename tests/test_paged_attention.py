@@ -116,3 +116,49 @@ def test_tiles_pages_and_head_dims(tiles, block_size, head_dim):
 def test_tiles_cover_every_query_token():
     tile_seqs, tile_starts = attention_tiles([1, 5, 9], 4)
     assert tile_seqs == [0, 1, 1, 2, 2, 2] and tile_starts == [0, 0, 4, 0, 4, 8]
+
+
+def test_flash_backend_arguments(monkeypatch):
+    """The flash-attn backend's arguments, checked on CPU against a stand-in with flash-attn's documented paged
+    semantics: varlen takes cumulative query and context lengths (causal aligned to the context's end);
+    with_kvcache takes [S, 1, H, D] queries and the cached lengths."""
+    import sys
+    import types
+
+    from fastgrpo.sampling.attention import PagedBatch, _flash_backend
+
+    def tables_of(block_table, lens, block_size):
+        return [block_table[i, : -(-n // block_size)].tolist() for i, n in enumerate(lens)]
+
+    def varlen(q, k_cache, v_cache, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+               block_table):
+        assert causal and cu_seqlens_q.dtype == cu_seqlens_k.dtype == block_table.dtype == torch.int32
+        q_lens, k_lens = cu_seqlens_q.diff().tolist(), cu_seqlens_k.diff().tolist()
+        assert max_seqlen_q == max(q_lens) and max_seqlen_k == max(k_lens)
+        seqs = list(zip(k_lens, q_lens, strict=True))
+        return dense_attention(q, k_cache, v_cache, tables_of(block_table, k_lens, k_cache.shape[1]), seqs,
+                               softmax_scale).to(q.dtype)
+
+    def with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table, softmax_scale, causal):
+        assert causal and q.shape[1] == 1 and cache_seqlens.dtype == torch.int32
+        lens = cache_seqlens.tolist()
+        out = dense_attention(q[:, 0], k_cache, v_cache, tables_of(block_table, lens, k_cache.shape[1]),
+                              [(n, 1) for n in lens], softmax_scale)
+        return out.to(q.dtype)[:, None]
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=varlen,
+                                                                        flash_attn_with_kvcache=with_kvcache))
+    as_i32 = lambda values: torch.tensor(values, dtype=torch.int32)
+    cumulative = lambda values: as_i32([0, *torch.tensor(values).cumsum(0).tolist()])
+    for batch in ("mixed", "decode_block"):  # varlen, then with_kvcache
+        seqs = batches(16)[batch]
+        tables, block_tables, k, v = make_cache(seqs, 2, 32, 16, True, seed=5)
+        q_lens, ctx = [q for _, q in seqs], [c for c, _ in seqs]
+        q = torch.randn(sum(q_lens), 12, 32, dtype=torch.float64)
+        paged = PagedBatch(kv_cache=torch.stack([k, v])[None], slot_mapping=torch.zeros(0, dtype=torch.long),
+                           block_tables=block_tables, context_lens=as_i32(ctx), query_starts=cumulative(q_lens),
+                           context_starts=cumulative(ctx), max_query_len=max(q_lens), max_context_len=max(ctx),
+                           backend="flash")
+        got = _flash_backend(q, k, v, paged, 0.2)
+        want = reference_paged_attention(q, k, v, block_tables, as_i32(ctx), cumulative(q_lens), 0.2)
+        assert torch.allclose(got, want, atol=1e-12), batch

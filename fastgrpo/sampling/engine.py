@@ -59,7 +59,10 @@ def _find_hf_model(model: torch.nn.Module) -> PreTrainedModel:
 
 def _available_memory(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        # Free on the device, plus what torch's caching allocator holds unused (e.g. the last training step's
+        # activations): the pool's allocation is served from that first.
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
             if line.startswith("MemAvailable:"):

@@ -237,6 +237,7 @@ def test_same_seed_same_completions(model):
 
 def test_state_is_restored_and_gradients_flow():
     model = tiny("qwen2")
+    model.gradient_checkpointing_enable()
     model.train()
     model.model.layers[1].mlp.eval()
     model.model.embed_tokens.weight.requires_grad_(False)
@@ -248,6 +249,7 @@ def test_state_is_restored_and_gradients_flow():
     assert model.config._attn_implementation == attn
     assert {name: m.training for name, m in model.named_modules()} == modes
     assert not model.model.embed_tokens.weight.requires_grad
+    assert model.is_gradient_checkpointing
 
     ids = torch.tensor([prompts_for(4)[-1]])
     for m in (model, before):
@@ -257,6 +259,18 @@ def test_state_is_restored_and_gradients_flow():
         if p.requires_grad:
             assert p.grad is not None and torch.isfinite(p.grad).all(), name
             assert torch.equal(p.grad, q.grad), f"{name}: gradient differs from a model that never sampled"
+
+
+def test_kv_pool_is_released():
+    """No tensor shaped like the pool [layers, 2, pages, block_size, kv_heads, head_dim] outlives the call."""
+    import gc
+
+    model = tiny("llama")
+    engine = Engine(model, block_size=4)
+    engine.generate(prompts_for(4), n=4, params=SamplingParams(max_new_tokens=8, seed=0))
+    gc.collect()
+    pools = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and obj.dim() == 6]
+    assert not pools and engine.stats.num_blocks > 0
 
 
 def test_state_is_restored_after_an_error():

@@ -288,6 +288,27 @@ def test_state_is_restored_after_an_error():
     assert model.config._attn_implementation == attn and model.training
 
 
+def test_failed_cuda_graph_capture_falls_back_to_eager(monkeypatch):
+    """If the forward cannot be captured, decoding goes on eagerly with the same results, after one warning."""
+    from fastgrpo.sampling.cuda_graphs import DecodeGraphs
+
+    model = tiny("qwen2")
+    prompts, params = prompts_for(4), SamplingParams(temperature=0, max_new_tokens=8, **NO_STOP)
+    want = Engine(model, block_size=4).generate(prompts, n=2, params=params)
+    calls = []
+
+    def capture(self, size):
+        calls.append(size)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    monkeypatch.setattr(Engine, "_decode_graphs", lambda self, kv_cache, width: DecodeGraphs(
+        self.model, kv_cache, self.config.max_num_seqs, width, self.backend, None))
+    with pytest.warns(UserWarning, match="decoding without CUDA graphs"):
+        got = Engine(model, block_size=4).generate(prompts, n=2, params=params)
+    assert got == want and len(calls) == 1
+
+
 def test_lora_model_samples_with_its_adapters():
     peft = pytest.importorskip("peft")
     base = tiny("qwen2")

@@ -5,6 +5,8 @@ one launch. Inputs are copied into static buffers; padding rows write their K/V 
 sequence owns and attend over it alone.
 """
 
+import warnings
+
 import torch
 
 from fastgrpo.kernels.paged_attention import Tiles
@@ -41,6 +43,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
+        self.failed = False
 
     def __call__(
         self,
@@ -49,7 +52,7 @@ class DecodeGraphs:
         slots: torch.Tensor,  # [S] int64
         block_tables: torch.Tensor,  # [S, w] int32, w <= max_blocks_per_seq
         context_lens: torch.Tensor,  # [S] int32
-    ) -> torch.Tensor:  # [S, V] logits
+    ) -> torch.Tensor | None:  # [S, V] logits; None when capture failed (run the step eagerly)
         num_seqs = input_ids.numel()
         size = next(s for s in self.sizes if s >= num_seqs)
         self.input_ids[:num_seqs] = input_ids
@@ -61,7 +64,12 @@ class DecodeGraphs:
         self.context_lens[:num_seqs] = context_lens
         self.context_lens[num_seqs:size] = 1
         if size not in self.graphs:
-            self._capture(size)
+            try:
+                self._capture(size)
+            except RuntimeError as error:  # a model whose forward cannot be captured: decode eagerly instead
+                warnings.warn(f"CUDA graph capture failed ({error}); decoding without CUDA graphs", stacklevel=3)
+                self.failed = True
+                return None
         self.graphs[size].replay()
         return self.logits[size][:num_seqs]
 

@@ -262,7 +262,8 @@ class Engine:
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
         decode_only = max(step.chunks) == 1 and all(samples == 1 for samples in step.num_samples)
-        if graphs is not None and decode_only and len(step.seqs) <= self.config.max_num_seqs:
+        logits = None
+        if graphs is not None and not graphs.failed and decode_only and len(step.seqs) <= self.config.max_num_seqs:
             logits = graphs(
                 tensor(input_ids, torch.long),
                 tensor(positions, torch.long),
@@ -270,7 +271,7 @@ class Engine:
                 tensor(tables, torch.int32),
                 tensor(context_lens, torch.int32),
             )
-        else:
+        if logits is None:
             batch = PagedBatch(
                 kv_cache=kv_cache,
                 slot_mapping=tensor(slots, torch.long),

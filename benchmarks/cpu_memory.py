@@ -15,18 +15,11 @@ import sys
 METHODS = ("torch", "reference")
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def measure(method: str, tokens: int, hidden: int, vocab: int) -> dict:
     """Run in this process: peak RSS growth (bytes) over one fused_grpo_loss forward + backward."""
     import torch
 
+    from fastgrpo.bench import PeakMemory
     from fastgrpo.loss import LossConfig, fused_grpo_loss
 
     os.environ["FASTGRPO_BACKEND"] = method
@@ -38,14 +31,11 @@ def measure(method: str, tokens: int, hidden: int, vocab: int) -> dict:
     ids = torch.randint(0, vocab, (B, T))
     mask = torch.ones(B, T)
     adv = torch.randn(B)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak RSS to the current RSS
-    base = _status_kib("VmRSS")
-    loss, _ = fused_grpo_loss(h, w, ids, mask, adv, config=LossConfig(beta=0.0))
-    loss.backward()
-    peak = _status_kib("VmHWM")
+    with PeakMemory(torch.device("cpu")).measure() as memory:
+        loss, _ = fused_grpo_loss(h, w, ids, mask, adv, config=LossConfig(beta=0.0))
+        loss.backward()
     return {"method": method, "tokens": B * T, "hidden": hidden, "vocab": vocab,
-            "peak_extra_bytes": (peak - base) * 1024, "logits_bytes": B * T * vocab * 4}
+            "peak_extra_bytes": memory.peak_bytes, "logits_bytes": B * T * vocab * 4}
 
 
 def run_isolated(method: str, tokens: int, hidden: int, vocab: int) -> dict:

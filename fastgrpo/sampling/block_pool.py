@@ -38,15 +38,6 @@ class BlockPool:
             if self.ref_counts[i] == 0:
                 self.free_ids.append(i)
 
-    def grow(self, table: list[int], num_tokens: int) -> bool:
-        """Extend `table` in place to hold `num_tokens`; False (and no change) if the pool is short."""
-        missing = blocks_for(num_tokens, self.block_size) - len(table)
-        if missing > self.num_free:
-            return False
-        if missing > 0:
-            table.extend(self.allocate(missing))
-        return True
-
     def fork(self, table: list[int], num_tokens: int, spare: list[int], n: int) -> tuple[list[list[int]], list]:
         """Tables for n children of a sequence of `num_tokens` cached tokens in `table`.
 

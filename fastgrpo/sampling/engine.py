@@ -22,7 +22,7 @@ from fastgrpo.kernels.paged_attention import attention_tiles, tiles_for
 from fastgrpo.sampling.attention import ATTENTION_NAME, PagedBatch, paged_batch
 from fastgrpo.sampling.block_pool import BlockPool, blocks_for
 from fastgrpo.sampling.cuda_graphs import DecodeGraphs
-from fastgrpo.sampling.params import EngineConfig, SamplingParams
+from fastgrpo.sampling.params import EngineConfig, SamplingParams, check_int
 from fastgrpo.sampling.sampler import sample
 from fastgrpo.sampling.scheduler import Scheduler, Step
 from fastgrpo.sampling.sequence import Group, Sequence
@@ -119,9 +119,7 @@ class Engine:
         params = SamplingParams() if params is None else params
         self._check_inputs(prompt_token_ids, n, params)
         start = time.perf_counter()
-        groups = [
-            Group(index=i, prompt=Sequence(list(prompt), len(prompt)), n=n) for i, prompt in enumerate(prompt_token_ids)
-        ]
+        groups = [Group(prompt=Sequence(list(prompt), len(prompt)), n=n) for prompt in prompt_token_ids]
         num_blocks = self._num_blocks(prompt_token_ids, n, params)
         pool = BlockPool(num_blocks, self.config.block_size)
         scheduler = Scheduler(
@@ -168,8 +166,7 @@ class Engine:
             for token in prompt:
                 if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
                     raise ValueError(f"prompt_token_ids[{i}] holds {token!r}, not a token id in [0, {self.vocab_size})")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be an int >= 1, got {n!r}")
+        check_int("n", n, 1)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
 
 
-def _check_int(name: str, value, minimum: int) -> None:
+def check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
@@ -31,19 +31,19 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check_int("top_k", self.top_k, 0)
-        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_int("top_k", self.top_k, 0)
+        check_int("max_new_tokens", self.max_new_tokens, 1)
         if self.stop_token_ids is not None:
             ids = (self.stop_token_ids,) if isinstance(self.stop_token_ids, int) else tuple(self.stop_token_ids)
             for token in ids:
-                _check_int("stop_token_ids[i]", token, 0)
+                check_int("stop_token_ids[i]", token, 0)
             object.__setattr__(self, "stop_token_ids", ids)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
         if self.seed is not None:
-            _check_int("seed", self.seed, 0)
+            check_int("seed", self.seed, 0)
 
     @property
     def greedy(self) -> bool:
@@ -73,13 +73,13 @@ class EngineConfig:
     cuda_graphs: bool = True
 
     def __post_init__(self):
-        _check_int("block_size", self.block_size, 1)
+        check_int("block_size", self.block_size, 1)
         if self.num_blocks is not None:
-            _check_int("num_blocks", self.num_blocks, 1)
+            check_int("num_blocks", self.num_blocks, 1)
         if not isinstance(self.memory_fraction, (int, float)) or not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
-        _check_int("max_num_seqs", self.max_num_seqs, 1)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         if self.attention == "flash" and self.block_size % 256:

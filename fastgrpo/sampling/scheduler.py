@@ -106,10 +106,10 @@ class Scheduler:
         end = seq.num_cached + chunk
         forks = not group.forked and end == len(seq.token_ids) and seq.prompt_len % self.pool.block_size
         spare = group.width - 1 if forks and not group.fork_spare else 0
-        missing = blocks_for(end, self.pool.block_size) - len(seq.block_table)
+        missing = max(0, blocks_for(end, self.pool.block_size) - len(seq.block_table))
         if missing + spare > self.pool.num_free:
             return False
-        self.pool.grow(seq.block_table, end)
+        seq.block_table += self.pool.allocate(missing)
         group.fork_spare += self.pool.allocate(spare)
         return True
 

@@ -34,7 +34,6 @@ class Group:
     the unfinished children, which then recompute their own tokens.
     """
 
-    index: int
     prompt: Sequence
     n: int
     children: list[Sequence] = field(default_factory=list)

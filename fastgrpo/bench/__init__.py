@@ -51,6 +51,25 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def reset_peak_memory(device: torch.device) -> int:
+    """Start a new peak window; returns the memory in use now (bytes): CUDA allocated, or resident set (Linux)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # reset the peak RSS to the current RSS
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes in use since the last reset_peak_memory."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    return _status_kib("VmHWM") * 1024
+
+
 class PeakMemory:
     """Peak memory above the level at entry: CUDA allocator peak on a GPU, resident set peak on a CPU (Linux).
 
@@ -63,19 +82,9 @@ class PeakMemory:
 
     @contextmanager
     def measure(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-            yield self
-            torch.cuda.synchronize(self.device)
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - base
-        else:
-            with open("/proc/self/clear_refs", "w") as clear_refs:
-                clear_refs.write("5")  # reset the peak RSS to the current RSS
-            base = _status_kib("VmRSS")
-            yield self
-            self.peak_bytes = (_status_kib("VmHWM") - base) * 1024
+        base = reset_peak_memory(self.device)
+        yield self
+        self.peak_bytes = peak_memory(self.device) - base
 
 
 def results_stem(suite: str, env: dict) -> str:

@@ -1,0 +1,259 @@
+"""The trainer's options: one dataclass, validated on construction, loadable from YAML, overridable from the CLI.
+
+Names follow TRL's `GRPOConfig` (and `ModelConfig` / `ScriptArguments`) where the concept is the same. One
+difference: a *step* here is one generation round (sample, score, then `num_iterations` passes of updates), so
+`max_steps`, `save_steps`, `eval_steps` and `logging` count rounds. With TRL's defaults
+(`steps_per_generation = gradient_accumulation_steps`, `num_iterations = 1`) a round is one optimizer step, as in TRL.
+"""
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from fastgrpo.loss_config import LOSS_TYPES
+
+BUILTIN = "builtin"  # model_name_or_path / dataset_name of the built-in arithmetic task
+DEFAULT_RECIPE = Path(__file__).parent / "default.yaml"
+REWARD_FUNCS = ("accuracy", "format", "length")
+
+
+def option(default, help: str, *, aliases: tuple[str, ...] = (), choices: tuple | None = None):
+    """A config field carrying its --help text (and extra CLI spellings)."""
+    metadata = {"help": help, "aliases": aliases, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(slots=True)
+class TrainConfig:
+    # -- model --
+    model_name_or_path: str | None = option(
+        None, f"hub id or local path of a causal LM; '{BUILTIN}' is the tiny arithmetic model shipped with fastgrpo")
+    bf16: bool | None = option(None, "train in bfloat16 (default: on CUDA yes, on CPU no)")
+    gradient_checkpointing: bool = option(True, "recompute activations in the backward pass (saves memory)")
+    attn_implementation: str | None = option(
+        None, "transformers attention for training, e.g. sdpa or flash_attention_2 (which packs micro-batches "
+              "padding-free); default: transformers' choice")
+    use_liger_kernel: bool = option(
+        False, "swap in liger-kernel's RMSNorm, RoPE and SwiGLU kernels (needs liger-kernel)", aliases=("--liger",))
+    trust_remote_code: bool = option(False, "allow model code from the hub")
+    use_peft: bool = option(False, "train LoRA adapters (peft); the reference model is then the base, adapters off")
+    lora_r: int = option(16, "LoRA rank")
+    lora_alpha: int = option(32, "LoRA alpha")
+    lora_dropout: float = option(0.05, "LoRA dropout")
+    lora_target_modules: list[str] = option(["all-linear"], "modules that get LoRA adapters")
+    # -- data --
+    dataset_name: str | None = option(
+        None, f"a .jsonl/.json/.parquet file, a `datasets` hub name, or '{BUILTIN}' (the synthetic arithmetic task)")
+    dataset_config: str | None = option(None, "the dataset's configuration name (hub datasets)")
+    dataset_train_split: str = option("train", "split to train on")
+    dataset_test_split: str | None = option("test", "held-out split for evaluation; a file for file datasets")
+    prompt_column: str = option("prompt", "column holding the prompt text")
+    answer_column: str | None = option("answer", "column holding the reference answer (for the accuracy reward)")
+    answer_delimiter: str | None = option(None, "keep only the answer column's text after the last occurrence of "
+                                                "this string (GSM8K: '####')")
+    system_prompt: str | None = option(None, "system prompt, prepended through the chat template (or as text)")
+    max_prompt_length: int | None = option(512, "prompts are cut to their last this many tokens; None keeps all")
+    # -- sampling --
+    num_generations: int = option(8, "completions per prompt (G)", aliases=("-G",))
+    max_completion_length: int = option(256, "new tokens per completion at most")
+    temperature: float = option(1.0, "sampling temperature (also divides the logits in the loss)")
+    top_p: float = option(1.0, "nucleus sampling mass")
+    top_k: int = option(0, "top-k sampling; 0 is off")
+    block_size: int = option(16, "tokens per page of the paged KV cache")
+    sampling_memory_fraction: float = option(0.8, "fraction of free memory the KV cache may take while sampling")
+    # -- rewards --
+    reward_funcs: list[str] = option(
+        ["accuracy"], f"built-ins {REWARD_FUNCS} or 'module:function' with TRL's signature "
+                      "(prompts, completions, **columns) -> list[float]")
+    reward_weights: list[float] | None = option(None, "one weight per reward function; default all 1")
+    scale_rewards: str = option("group", "divide advantages by the reward std of the group, the batch, or none",
+                                choices=("group", "batch", "none"))
+    mask_truncated_completions: bool = option(False, "leave completions that hit max_completion_length out of the loss")
+    # -- loss --
+    loss_type: str = option("dapo", "normalisation of the token losses", choices=LOSS_TYPES)
+    beta: float = option(0.0, "k3 KL coefficient; 0 loads no reference model")
+    epsilon: float = option(0.2, "clip range below 1 (and above, unless epsilon_high is set)")
+    epsilon_high: float | None = option(None, "clip range above 1 (DAPO's clip-higher)")
+    delta: float | None = option(None, "upper cap of the ratio on negative advantages (two-sided clipping)")
+    importance_sampling_level: str = option("token", "ratio per token or per sequence (GSPO)",
+                                            choices=("token", "sequence"))
+    use_bias_correction_kl: bool = option(True, "multiply the KL term by the importance ratio")
+    num_iterations: int = option(1, "passes over each generation batch (mu); > 1 computes old logprobs")
+    # -- optimisation --
+    learning_rate: float = option(1e-6, "AdamW peak learning rate", aliases=("--lr",))
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    adam_beta1: float = option(0.9, "AdamW beta1")
+    adam_beta2: float = option(0.999, "AdamW beta2")
+    max_grad_norm: float = option(1.0, "clip the gradient norm to this; 0 is off")
+    lr_scheduler_type: str = option("linear", "transformers schedule name (linear, cosine, constant_with_warmup, ...)")
+    warmup_ratio: float = option(0.0, "share of the optimizer steps spent warming up")
+    per_device_train_batch_size: int = option(8, "completions per forward/backward micro-batch")
+    gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step")
+    steps_per_generation: int | None = option(
+        None, "micro-batches per generation batch; None = gradient_accumulation_steps. A round samples "
+              "per_device_train_batch_size * steps_per_generation completions")
+    max_steps: int = option(100, "generation rounds to train for")
+    seed: int = option(42, "seed of the data order, the initial weights of adapters and the sampling")
+    # -- evaluation, checkpoints, logs --
+    output_dir: str | None = option(None, "where the run goes (config, metrics.jsonl, checkpoints, plots); "
+                                          "default runs/<date-time>")
+    overwrite_output_dir: bool = option(False, "allow output_dir to hold an earlier run, which is deleted")
+    resume: bool = option(False, "continue the run in output_dir from its newest checkpoint")
+    save_steps: int = option(50, "checkpoint every this many steps (and at the end); 0 only at the end")
+    save_total_limit: int | None = option(2, "keep this many newest checkpoints; None keeps all")
+    eval_steps: int = option(0, "evaluate on the held-out split every this many steps; 0: only before and after")
+    eval_num_samples: int = option(200, "held-out prompts per evaluation")
+    eval_temperature: float = option(0.0, "evaluation sampling temperature; 0 is greedy (pass@1)")
+    report_to: list[str] = option(["tensorboard"], "metric sinks besides metrics.jsonl: tensorboard, wandb, none")
+    disable_tqdm: bool = option(False, "no progress bar")
+
+    def __post_init__(self):
+        _check_types(self)
+        _ints_to_floats(self)  # YAML's `learning_rate: 1` is the float 1.0
+        positive = ("num_generations", "max_completion_length", "block_size", "num_iterations",
+                    "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "eval_num_samples",
+                    "lora_r", "lora_alpha")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("save_steps", "eval_steps", "top_k"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("max_prompt_length", "steps_per_generation", "save_total_limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be None or >= 1, got {getattr(self, name)!r}")
+        for name in ("temperature", "learning_rate"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("beta", "epsilon", "weight_decay", "max_grad_norm", "eval_temperature"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("top_p", "sampling_memory_fraction"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+        for name in ("warmup_ratio", "lora_dropout", "adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        for name in ("epsilon_high", "delta"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be None or > 0, got {getattr(self, name)!r}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
+        if self.model_name_or_path is None:
+            raise ValueError(f"model_name_or_path is required (a hub id, a local path or '{BUILTIN}')")
+        if self.dataset_name is None:
+            raise ValueError(f"dataset_name is required (a file, a hub dataset or '{BUILTIN}')")
+        if not self.reward_funcs:
+            raise ValueError("reward_funcs must name at least one reward function")
+        for name in self.reward_funcs:
+            if name not in REWARD_FUNCS and ":" not in name:
+                raise ValueError(f"reward_funcs: {name!r} is neither a built-in {REWARD_FUNCS} nor 'module:function'")
+        if self.reward_weights is not None:
+            if len(self.reward_weights) != len(self.reward_funcs):
+                raise ValueError(f"reward_weights has {len(self.reward_weights)} values but reward_funcs has "
+                                 f"{len(self.reward_funcs)} functions; give one weight per function")
+            if not all(math.isfinite(w) for w in self.reward_weights):
+                raise ValueError(f"reward_weights must be finite, got {self.reward_weights}")
+        if self.steps_per_generation is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+        if self.steps_per_generation % self.gradient_accumulation_steps:
+            raise ValueError(f"steps_per_generation ({self.steps_per_generation}) must be a multiple of "
+                             f"gradient_accumulation_steps ({self.gradient_accumulation_steps})")
+        if self.generation_batch_size % self.num_generations:
+            raise ValueError(
+                f"per_device_train_batch_size * steps_per_generation = {self.generation_batch_size} completions per "
+                f"round must be a multiple of num_generations ({self.num_generations})")
+        if self.num_generations < 2 and self.scale_rewards != "none":
+            raise ValueError("num_generations must be >= 2 for group advantages (one completion has no baseline)")
+        bad_sinks = set(self.report_to) - {"tensorboard", "wandb", "none"}
+        if bad_sinks:
+            raise ValueError(f"report_to: unknown sinks {sorted(bad_sinks)}; choose from tensorboard, wandb, none")
+        if self.resume and self.overwrite_output_dir:
+            raise ValueError("resume and overwrite_output_dir contradict each other; pass one")
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions sampled per round."""
+        return self.per_device_train_batch_size * self.steps_per_generation
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.generation_batch_size // self.num_generations
+
+    # -- YAML --
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def save_yaml(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides) -> "TrainConfig":
+        """The options in a YAML mapping, then `overrides` on top."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"config file {path} must hold a mapping of option: value, got {type(values).__name__}")
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"config file {path}: unknown options {unknown}")
+        return cls(**{**values, **overrides})
+
+
+def _members(annotation) -> list:
+    """`X | None` -> [X]; anything else -> [annotation]."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args if typing.get_origin(annotation) in (typing.Union, types.UnionType) else [annotation]
+
+
+def _check_types(config: TrainConfig) -> None:
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(config):
+        value, annotation = getattr(config, f.name), hints[f.name]
+        if value is None:
+            if type(None) not in typing.get_args(annotation):
+                raise ValueError(f"{f.name} must not be None")
+            continue
+        (kind,) = _members(annotation)
+        item = typing.get_args(kind)[0] if typing.get_origin(kind) is list else None
+        if item is not None:
+            ok = isinstance(value, list) and all(_is(x, item) for x in value)
+        else:
+            ok = _is(value, kind)
+        if not ok:
+            raise TypeError(f"{f.name} must be {_describe(annotation)}, got {value!r} ({type(value).__name__})")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be finite, got {value!r}")
+
+
+def _ints_to_floats(config: TrainConfig) -> None:
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(config):
+        value, (kind,) = getattr(config, f.name), _members(hints[f.name])
+        if kind is float and isinstance(value, int):
+            setattr(config, f.name, float(value))
+        elif kind == list[float] and value is not None:
+            setattr(config, f.name, [float(x) for x in value])
+
+
+def _is(value, kind: type) -> bool:
+    """isinstance, except that bools are not ints and ints are floats."""
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, (float, int)) if kind is float else isinstance(value, kind)
+
+
+def _describe(annotation) -> str:
+    return str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")

@@ -1,0 +1,136 @@
+"""The policy, its reference and tokenizer; the backbone forward that yields the hidden states of completion tokens."""
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from fastgrpo.train.config import BUILTIN, TrainConfig
+
+DEFAULT_MODEL = Path(__file__).parent / "default_model"
+PACKED_ATTENTION = ("flash_attention_2", "flash_attention_3")  # varlen kernels: packing costs no extra FLOPs
+# Output transformations the fused loss does not apply: it scores `hidden @ W.T + b` only.
+UNSUPPORTED_HEAD_OPTIONS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
+
+
+def model_path(config: TrainConfig) -> str:
+    return str(DEFAULT_MODEL) if config.model_name_or_path == BUILTIN else config.model_name_or_path
+
+
+def train_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
+    bf16 = config.bf16 if config.bf16 is not None else device.type == "cuda"
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def load_tokenizer(config: TrainConfig):
+    tokenizer = AutoTokenizer.from_pretrained(model_path(config), trust_remote_code=config.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def hf_model(model: torch.nn.Module) -> PreTrainedModel:
+    """The transformers causal LM itself, or the one a peft wrapper holds (its LoRA layers sit inside it)."""
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            return module
+    raise TypeError(f"expected a transformers model, got {type(model).__name__}")
+
+
+def check_head(model: PreTrainedModel) -> None:
+    config = model.config.get_text_config()
+    for name in UNSUPPORTED_HEAD_OPTIONS:
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            raise ValueError(f"model_name_or_path: {type(model).__name__} sets {name}={getattr(config, name)}, a "
+                             "transformation of the logits that fastgrpo's fused loss does not apply")
+    if model.get_output_embeddings() is None:
+        raise ValueError(f"model_name_or_path: {type(model).__name__} has no lm_head (output embeddings)")
+
+
+def _from_pretrained(path: str, config: TrainConfig, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+    kwargs = {"dtype": dtype, "trust_remote_code": config.trust_remote_code}
+    if config.attn_implementation is not None:
+        kwargs["attn_implementation"] = config.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)
+    check_head(model)
+    return model
+
+
+def load_policy(config: TrainConfig, device: torch.device, checkpoint: Path | None = None) -> torch.nn.Module:
+    """The trainable policy: the model's initial weights, or a checkpoint's (its LoRA adapter with use_peft)."""
+    dtype = train_dtype(config, device)
+    path = str(checkpoint) if checkpoint is not None and not config.use_peft else model_path(config)
+    model = _from_pretrained(path, config, dtype, device)
+    if config.use_liger_kernel:
+        try:
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+            from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+        except ImportError as e:
+            raise ImportError("use_liger_kernel needs liger-kernel: pip install liger-kernel") from e
+        if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+            raise ValueError(f"use_liger_kernel: liger-kernel has no kernels for {model.config.model_type!r} models")
+        # Layer kernels only: the head and the loss are fastgrpo's.
+        _apply_liger_kernel_to_instance(model=model, rms_norm=True, rope=True, swiglu=True, cross_entropy=False,
+                                        fused_linear_cross_entropy=False)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    if config.use_peft:
+        try:
+            from peft import LoraConfig, PeftModel, get_peft_model
+        except ImportError as e:
+            raise ImportError("use_peft needs peft: pip install peft") from e
+        if checkpoint is not None:
+            return PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
+        lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                          target_modules=config.lora_target_modules if config.lora_target_modules != ["all-linear"]
+                          else "all-linear", task_type="CAUSAL_LM")
+        return get_peft_model(model, lora)
+    return model
+
+
+def load_reference(config: TrainConfig, device: torch.device) -> PreTrainedModel | None:
+    """A frozen copy of the initial policy; None when beta = 0 (no KL) or with LoRA (the base, adapters off)."""
+    if config.beta == 0 or config.use_peft:
+        return None
+    model = _from_pretrained(model_path(config), config, train_dtype(config, device), device)
+    return model.eval().requires_grad_(False)
+
+
+def completion_hidden(model: torch.nn.Module, sequences: list[list[int]], prompt_lengths: list[int],
+                      max_completion: int, packed: bool) -> torch.Tensor:
+    """Last hidden states that predict each completion token: [B, max_completion, H] (rows past a completion's end
+    hold a copy of some other state; mask them).
+
+    sequences[i] = prompt_i + completion_i. Packed: one row, positions restarting per sequence (flash-attn varlen,
+    or transformers' block-diagonal mask elsewhere). Padded: right-padded to the longest sequence.
+    """
+    net = hf_model(model)
+    backbone = getattr(net, net.base_model_prefix)
+    device = net.get_input_embeddings().weight.device
+    lengths = [len(s) for s in sequences]
+    if packed:
+        input_ids = torch.tensor([t for s in sequences for t in s], device=device)[None]  # [1, sum L]
+        position_ids = torch.cat([torch.arange(n, device=device) for n in lengths])[None]  # [1, sum L]
+        hidden = backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        starts = torch.tensor([0, *lengths[:-1]], device=device).cumsum(0)  # [B]
+    else:
+        L = max(lengths)
+        input_ids = torch.zeros(len(sequences), L, dtype=torch.long, device=device)  # [B, L]
+        attention_mask = torch.zeros(len(sequences), L, dtype=torch.long, device=device)  # [B, L]
+        for i, s in enumerate(sequences):
+            input_ids[i, : len(s)] = torch.tensor(s, device=device)
+            attention_mask[i, : len(s)] = 1
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        starts = torch.arange(len(sequences), device=device) * L  # [B]
+    hidden = hidden.reshape(-1, hidden.shape[-1])  # [tokens, H]
+    offsets = torch.arange(max_completion, device=device)  # [T]
+    last = torch.tensor([n - 1 for n in lengths], device=device)  # [B] the final token predicts nothing
+    rows = starts[:, None] + torch.minimum(torch.tensor(prompt_lengths, device=device)[:, None] - 1 + offsets,
+                                           last[:, None] - 1)  # [B, T]
+    return hidden[rows]  # [B, T, H]
+
+
+def lm_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    head = hf_model(model).get_output_embeddings()
+    return head.weight, getattr(head, "bias", None)

@@ -1,0 +1,94 @@
+"""One generation round's samples, their group advantages, and how they are cut into micro-batches."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class Rollout:
+    """P prompts x G completions, completion-major within a group: sample i belongs to prompt i // G."""
+
+    prompt_ids: list[list[int]]  # [P*G] (each group repeats its prompt)
+    completion_ids: list[list[int]]  # [P*G]
+    truncated: torch.Tensor  # [P*G] bool: hit max_completion_length without a stop
+    rewards_per_func: torch.Tensor  # [P*G, F]
+    rewards: torch.Tensor  # [P*G] weighted sum
+    advantages: torch.Tensor  # [P*G]
+    loss_mask: list[list[int]]  # [P*G][T_i]: 1 on tokens that enter the loss
+    old_logps: list[torch.Tensor] | None = None  # [P*G][T_i] fp32 (None: on-policy, the current logps)
+    ref_logps: list[torch.Tensor] | None = None  # [P*G][T_i] fp32 (None: beta = 0)
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> tuple[torch.Tensor, ...]:
+    """rewards [P*G] -> (advantages [P*G], per-group std [P*G], zero-std flags [P*G]).
+
+    A = r - mean(group); divided by std(group) + 1e-4 ("group"), by std(batch) + 1e-4 ("batch") or not at all
+    ("none"), as TRL. A group whose rewards are all equal gets exactly zero advantage.
+    """
+    grouped = rewards.view(-1, num_generations)  # [P, G]
+    mean = grouped.mean(1, keepdim=True)
+    group_std = grouped.std(1, keepdim=True).expand_as(grouped).reshape(-1)  # [P*G]
+    advantages = (grouped - mean).reshape(-1)
+    std = rewards.std().expand_as(rewards) if scale_rewards == "batch" else group_std
+    if scale_rewards != "none":
+        advantages = advantages / (std + 1e-4)
+    flat = (grouped == grouped[:, :1]).all(1, keepdim=True).expand_as(grouped).reshape(-1)  # [P*G]
+    return advantages.masked_fill(flat, 0.0), group_std, flat
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    index: list[int]  # sample indices into the rollout
+    completion_ids: torch.Tensor  # [b, T] (0 past each completion)
+    mask: torch.Tensor  # [b, T] float: the loss mask
+    advantages: torch.Tensor  # [b]
+    sequences: list[list[int]]  # prompt + completion per sample
+    prompt_lengths: list[int]
+    old_logps: torch.Tensor | None  # [b, T]
+    ref_logps: torch.Tensor | None  # [b, T]
+
+
+def micro_batches(lengths: list[int], micro_batch_size: int, gradient_accumulation_steps: int,
+                  generator: torch.Generator) -> list[list[list[int]]]:
+    """Sample indices per optimizer step, per micro-batch. A seeded shuffle deals the samples to optimizer steps;
+    within a step they are sorted by length before being cut into micro-batches, so each micro-batch pads to a
+    similar length (the step's summed gradient does not depend on how its samples are grouped)."""
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    per_step = micro_batch_size * gradient_accumulation_steps
+    steps = []
+    for start in range(0, len(order), per_step):
+        ranked = sorted(order[start : start + per_step], key=lambda i: lengths[i])
+        steps.append([ranked[k : k + micro_batch_size] for k in range(0, len(ranked), micro_batch_size)])
+    return steps
+
+
+def _padded(rows: list[torch.Tensor], T: int, device: torch.device) -> torch.Tensor:
+    out = torch.zeros(len(rows), T)
+    for r, row in enumerate(rows):
+        out[r, : len(row)] = row
+    return out.to(device)
+
+
+def micro_batch(rollout: Rollout, index: list[int], device: torch.device) -> MicroBatch:
+    T = max(len(rollout.completion_ids[i]) for i in index)
+    logps = lambda per_sample: None if per_sample is None else _padded([per_sample[i] for i in index], T, device)
+    completion_ids = torch.zeros(len(index), T, dtype=torch.long)
+    mask = torch.zeros(len(index), T)
+    for row, i in enumerate(index):
+        ids = rollout.completion_ids[i]
+        completion_ids[row, : len(ids)] = torch.tensor(ids)
+        mask[row, : len(ids)] = torch.tensor(rollout.loss_mask[i], dtype=torch.float32)
+    return MicroBatch(
+        index=index,
+        completion_ids=completion_ids.to(device),
+        mask=mask.to(device),
+        advantages=rollout.advantages[index].to(device),
+        sequences=[rollout.prompt_ids[i] + rollout.completion_ids[i] for i in index],
+        prompt_lengths=[len(rollout.prompt_ids[i]) for i in index],
+        old_logps=logps(rollout.old_logps),
+        ref_logps=logps(rollout.ref_logps),
+    )

@@ -1,0 +1,392 @@
+"""The GRPO loop of `fastgrpo train`.
+
+Each step is one generation round:
+  1. sample    P prompts x G completions from the policy with the paged engine (the policy's own weights)
+  2. score     weighted rule rewards -> advantages per group (TRL's scale_rewards; flat groups get 0)
+  3. no-grad   reference logprobs (beta > 0; with LoRA the base with adapters off) and old logprobs (only when
+               updates go off-policy: num_iterations > 1 or several optimizer steps per round), fused logprob path
+  4. update    num_iterations passes; each optimizer step accumulates micro-batches: backbone forward (gradient
+               checkpointing; packed when the attention is varlen, else length-bucketed padding) -> completion
+               hidden states -> fastgrpo.loss.fused_grpo_loss -> backward; then clip, AdamW, LR schedule
+  5. log, evaluate (pass@1 on held-out prompts), checkpoint
+
+Loss normalisation across micro-batches follows TRL 1.16: the per-micro-batch loss is divided by
+gradient_accumulation_steps, except dapo/cispo, which divide by the loss tokens of an average optimizer step.
+"""
+
+import datetime
+import math
+import shutil
+import time
+import zlib
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from transformers import get_scheduler
+
+from fastgrpo.bench import peak_memory, reset_peak_memory
+from fastgrpo.loss import LossConfig, fused_grpo_loss, token_logprobs
+from fastgrpo.sampling import Engine, SamplingParams
+from fastgrpo.train import checkpoint
+from fastgrpo.train.config import TrainConfig
+from fastgrpo.train.data import PromptOrder, eval_subset, load_rows, prepare
+from fastgrpo.train.logs import PLOT_FILE, MetricsLog, plot
+from fastgrpo.train.model import (
+    PACKED_ATTENTION,
+    completion_hidden,
+    hf_model,
+    lm_head,
+    load_policy,
+    load_reference,
+    load_tokenizer,
+)
+from fastgrpo.train.rewards import Rewards, accuracy
+from fastgrpo.train.rollout import Rollout, group_advantages, micro_batch, micro_batches
+
+RESERVED_REWARD_ARGS = ("prompts", "completions", "completion_ids")
+TOKEN_NORMALISED = ("dapo", "cispo")  # loss types normalised by num_items_in_batch
+
+
+def _output_dir(config: TrainConfig) -> Path:
+    if config.output_dir is not None:
+        return Path(config.output_dir)
+    return Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, device: str | torch.device | None = None):
+        self.config = config
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.output_dir = _output_dir(config)
+        resume_from = self._prepare_output_dir()
+        torch.manual_seed(config.seed)  # LoRA's initial weights
+
+        self.tokenizer = load_tokenizer(config)
+        self.train_prompts = prepare(load_rows(config, "train"), self.tokenizer, config, "train")
+        eval_rows = load_rows(config, "test") if config.answer_column is not None else None
+        self.eval_prompts = None if eval_rows is None else eval_subset(
+            prepare(eval_rows, self.tokenizer, config, "held-out"), config.eval_num_samples)
+        self.rewards = Rewards(config.reward_funcs, config.reward_weights, config.max_completion_length)
+
+        self.model = load_policy(config, self.device, resume_from)
+        self.ref_model = load_reference(config, self.device)
+        self.packed = hf_model(self.model).config._attn_implementation in PACKED_ATTENTION
+        self.engine = Engine(self.model, tokenizer=self.tokenizer, block_size=config.block_size,
+                             memory_fraction=config.sampling_memory_fraction)
+        self.stop_token_ids = self._stop_token_ids()
+        self.loss_config = LossConfig(
+            loss_type=config.loss_type, epsilon_low=config.epsilon, epsilon_high=config.epsilon_high,
+            delta=config.delta, beta=config.beta, temperature=config.temperature,
+            importance_sampling_level=config.importance_sampling_level,
+            use_bias_correction_kl=config.use_bias_correction_kl, max_completion_length=config.max_completion_length,
+        )  # fmt: skip
+
+        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.learning_rate, weight_decay=config.weight_decay,
+                                           betas=(config.adam_beta1, config.adam_beta2))
+        self.optimizer_steps_per_round = config.num_iterations * config.steps_per_generation // (
+            config.gradient_accumulation_steps)
+        total = config.max_steps * self.optimizer_steps_per_round
+        self.scheduler = get_scheduler(config.lr_scheduler_type, self.optimizer,
+                                       num_warmup_steps=math.ceil(config.warmup_ratio * total),
+                                       num_training_steps=total)
+
+        self.order = PromptOrder(len(self.train_prompts.rows), config.seed)
+        self.step, self.num_tokens, self.seconds, self.initial_accuracy = 0, 0, 0.0, None
+        if resume_from is not None:
+            state = checkpoint.load_state(resume_from, self.optimizer, self.scheduler)
+            self.step, self.num_tokens, self.seconds = state["step"], state["num_tokens"], state["seconds"]
+            self.initial_accuracy = state["initial_accuracy"]
+            self.order.load_state_dict(state["data"])
+        config.save_yaml(self.output_dir / "config.yaml")
+        self.log = MetricsLog(self.output_dir, config.report_to, config.to_dict(),
+                              self.step if resume_from is not None else None)
+
+    def _prepare_output_dir(self) -> Path | None:
+        """Returns the checkpoint to resume from; never deletes a run unless overwrite_output_dir says so."""
+        out, config = self.output_dir, self.config
+        if config.resume:
+            found = checkpoint.latest(out)
+            if found is None:
+                raise FileNotFoundError(f"resume: {out} holds no checkpoint to resume from")
+            return found
+        if out.exists() and any(out.iterdir()):
+            if not config.overwrite_output_dir:
+                raise FileExistsError(f"output_dir {out} already holds files; pass resume to continue that run or "
+                                      "overwrite_output_dir to replace it")
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+        return None
+
+    def _stop_token_ids(self) -> tuple[int, ...]:
+        eos = hf_model(self.model).generation_config.eos_token_id
+        ids = set([eos] if isinstance(eos, int) else eos or [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def _seed(self, *key) -> int:
+        """A seed per (run seed, step, purpose): sampling and shuffles do not depend on what ran before."""
+        return zlib.crc32(repr((self.config.seed, self.step, *key)).encode())
+
+    # -- the loop --
+
+    def train(self) -> dict:
+        config = self.config
+        if self.step == 0:
+            self.initial_accuracy = self.evaluate()
+            self.log.log(0, {"eval/accuracy": self.initial_accuracy})
+        final_accuracy = self.initial_accuracy
+        with _Progress(config, self.step) as progress:
+            while self.step < config.max_steps:
+                self.step += 1
+                start = time.perf_counter()
+                metrics = self.train_step()
+                if self.step == config.max_steps or (config.eval_steps and self.step % config.eval_steps == 0):
+                    metrics["eval/accuracy"] = final_accuracy = self.evaluate()
+                self.seconds += time.perf_counter() - start
+                metrics["time/elapsed"] = self.seconds
+                self.log.log(self.step, metrics)
+                if self.step == config.max_steps or (config.save_steps and self.step % config.save_steps == 0):
+                    self.save()
+                progress.update(self.step, metrics)
+        if self.log.history and self.log.history[-1].get("eval/accuracy") is not None:
+            final_accuracy = self.log.history[-1]["eval/accuracy"]
+        self.log.close()
+        plot_path = plot(self.log.history, self.output_dir / PLOT_FILE)
+        summary = {"initial_accuracy": self.initial_accuracy, "final_accuracy": final_accuracy, "steps": self.step,
+                   "seconds": self.seconds, "output_dir": str(self.output_dir), "plot": str(plot_path)}
+        print(summary_line(summary, config))
+        return summary
+
+    def train_step(self) -> dict:
+        config, G = self.config, self.config.num_generations
+        reset_peak_memory(self.device)
+        timer = _Timer()
+
+        # 1. sample
+        picked = self.order.next(config.prompts_per_step)
+        params = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                                max_new_tokens=config.max_completion_length, stop_token_ids=self.stop_token_ids,
+                                seed=self._seed("sample"))
+        outputs = self.engine.generate([self.train_prompts.token_ids[i] for i in picked], n=G, params=params)
+        completions = [c for group in outputs for c in group]  # [P*G], prompt-major
+        timer.lap("sampling")
+
+        # 2. score
+        samples = [i for i in picked for _ in range(G)]  # [P*G] prompt index per completion
+        completion_ids = [c.token_ids for c in completions]
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        columns = {k: [self.train_prompts.rows[i][k] for i in samples] for k in self.train_prompts.rows[0]
+                   if k not in RESERVED_REWARD_ARGS and k != config.prompt_column}
+        per_func, rewards = self.rewards([self.train_prompts.texts[i] for i in samples], texts, completion_ids,
+                                         columns)
+        advantages, group_std, flat = group_advantages(rewards, G, config.scale_rewards)
+        truncated = torch.tensor([c.finish_reason == "length" for c in completions])
+        drop = config.mask_truncated_completions
+        cut = truncated.tolist()
+        rollout = Rollout(
+            prompt_ids=[self.train_prompts.token_ids[i] for i in samples], completion_ids=completion_ids,
+            truncated=truncated, rewards_per_func=per_func, rewards=rewards, advantages=advantages,
+            loss_mask=[[0 if drop and cut[i] else 1] * len(ids) for i, ids in enumerate(completion_ids)],
+        )  # fmt: skip
+        timer.lap("rewards")
+
+        # 3. no-grad logprobs
+        if config.beta != 0:
+            rollout.ref_logps = self._reference_logprobs(rollout)
+        if config.num_iterations > 1 or config.steps_per_generation > config.gradient_accumulation_steps:
+            rollout.old_logps = self._logprobs(self.model, rollout)
+        timer.lap("reference")
+
+        # 4. update
+        stats = self._update(rollout)
+        timer.lap("train")
+
+        lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.float32)
+        self.num_tokens += int(lengths.sum()) + sum(len(p) for p in rollout.prompt_ids)
+        return {
+            **stats,
+            **_reward_metrics(self.rewards, per_func, rewards, group_std, flat, config.scale_rewards),
+            **_length_metrics(lengths, truncated),
+            "num_tokens": self.num_tokens,
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            "sampling/preemptions": self.engine.stats.num_preemptions,
+            **timer.metrics(),
+            "tokens_per_second": float(lengths.sum()) / timer.total,
+            "peak_memory_gib": peak_memory(self.device) / 2**30,
+        }
+
+    def _update(self, rollout: Rollout) -> dict:
+        config = self.config
+        self.model.train()
+        weight, bias = lm_head(self.model)
+        lengths = [len(p) + len(c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids, strict=True)]
+        # TRL's dapo/cispo normaliser: the loss tokens of the round, spread over its optimizer steps.
+        num_items = sum(map(sum, rollout.loss_mask)) * config.gradient_accumulation_steps / config.steps_per_generation
+        metrics, losses, grad_norms = defaultdict(list), [], []
+        for iteration in range(config.num_iterations):
+            shuffle = torch.Generator().manual_seed(self._seed("shuffle", iteration))
+            for step_batches in micro_batches(lengths, config.per_device_train_batch_size,
+                                              config.gradient_accumulation_steps, shuffle):
+                step_loss = 0.0
+                for index in step_batches:
+                    mb = micro_batch(rollout, index, self.device)
+                    hidden = completion_hidden(self.model, mb.sequences, mb.prompt_lengths, mb.mask.shape[1],
+                                               self.packed)  # [b, T, H]
+                    loss, micro_metrics = fused_grpo_loss(
+                        hidden, weight, mb.completion_ids, mb.mask, mb.advantages, bias=bias, old_logps=mb.old_logps,
+                        ref_logps=mb.ref_logps, config=self.loss_config,
+                        num_items_in_batch=num_items if config.loss_type in TOKEN_NORMALISED else None,
+                    )  # fmt: skip
+                    if config.loss_type not in TOKEN_NORMALISED:
+                        loss = loss / config.gradient_accumulation_steps
+                    loss.backward()
+                    step_loss += loss.item()
+                    for key, value in micro_metrics.items():
+                        metrics[key].append(value.item())
+                max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
+                grad_norms.append(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm).item())
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                losses.append(step_loss)
+        out = {key: _nanmean(values) for key, values in metrics.items()}
+        return {"loss": _nanmean(losses), "grad_norm": _nanmean(grad_norms), **out}
+
+    @torch.no_grad()
+    def _logprobs(self, model: torch.nn.Module, rollout: Rollout) -> list[torch.Tensor]:
+        """Per sample [T_i] fp32 logprobs of its completion under `model` (eval mode, no grad)."""
+        was_training = model.training
+        model.eval()
+        weight, bias = lm_head(model)
+        out = []
+        size = self.config.per_device_train_batch_size
+        for start in range(0, len(rollout), size):
+            mb = micro_batch(rollout, list(range(start, min(start + size, len(rollout)))), self.device)
+            hidden = completion_hidden(model, mb.sequences, mb.prompt_lengths, mb.mask.shape[1], self.packed)
+            logps, _ = token_logprobs(hidden, weight, mb.completion_ids, bias=bias,
+                                      temperature=self.config.temperature)  # [b, T]
+            out += [row[: len(rollout.completion_ids[i])].float().cpu() for row, i in zip(logps, mb.index, strict=True)]
+        model.train(was_training)
+        return out
+
+    def _reference_logprobs(self, rollout: Rollout) -> list[torch.Tensor]:
+        if self.ref_model is not None:
+            return self._logprobs(self.ref_model, rollout)
+        with self.model.disable_adapter():  # LoRA: the base model is the reference
+            return self._logprobs(self.model, rollout)
+
+    def evaluate(self) -> float | None:
+        """pass@1 on the held-out subset: share of prompts whose one completion the accuracy reward scores 1."""
+        if self.eval_prompts is None:
+            return None
+        config = self.config
+        params = SamplingParams(temperature=config.eval_temperature, top_p=config.top_p, top_k=config.top_k,
+                                max_new_tokens=config.max_completion_length, stop_token_ids=self.stop_token_ids,
+                                seed=zlib.crc32(repr(("eval", config.seed)).encode()))
+        outputs = self.engine.generate(self.eval_prompts.token_ids, n=1, params=params)
+        texts = self.tokenizer.batch_decode([group[0].token_ids for group in outputs], skip_special_tokens=True)
+        answers = [row[config.answer_column] for row in self.eval_prompts.rows]
+        return sum(accuracy(self.eval_prompts.texts, texts, answers)) / len(texts)
+
+    def save(self) -> Path:
+        state = {"num_tokens": self.num_tokens, "seconds": self.seconds, "initial_accuracy": self.initial_accuracy,
+                 "data": self.order.state_dict()}
+        return checkpoint.save(self.output_dir, self.step, self.model, self.tokenizer, self.optimizer,
+                               self.scheduler, state, self.config.save_total_limit)
+
+
+# -- metrics ---------------------------------------------------------------------------------------------------------
+
+
+def _nanmean(values: list[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return sum(kept) / len(kept) if kept else math.nan
+
+
+def _reward_metrics(rewards: Rewards, per_func, total, group_std, flat, scale_rewards) -> dict:
+    std = total.std().expand_as(total) if scale_rewards == "batch" else group_std
+    metrics = {"reward": total.mean().item(), "reward_std": std.mean().item(),
+               "frac_reward_zero_std": flat.float().mean().item()}
+    for k, function in enumerate(rewards.functions):
+        name = getattr(function, "__name__", rewards.names[k])
+        metrics[f"rewards/{name}/mean"] = per_func[:, k].mean().item()
+        metrics[f"rewards/{name}/std"] = per_func[:, k].std().item()
+    return metrics
+
+
+def _length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
+    terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
+    return {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.float().mean().item(),
+        "completions/mean_terminated_length": terminated.mean().item(),
+        "completions/min_terminated_length": terminated.min().item(),
+        "completions/max_terminated_length": terminated.max().item(),
+    }
+
+
+def summary_line(summary: dict, config: TrainConfig) -> str:
+    how = "greedy" if config.eval_temperature == 0 else f"temperature {config.eval_temperature}"
+    if summary["initial_accuracy"] is None:
+        accuracy_text = "no held-out evaluation"
+    else:
+        accuracy_text = (f"held-out accuracy {summary['initial_accuracy']:.1%} -> {summary['final_accuracy']:.1%} "
+                         f"(pass@1, {how}, {config.eval_num_samples} prompts at most)")
+    return (f"fastgrpo: {accuracy_text}; {summary['steps']} steps in {summary['seconds']:.0f} s; "
+            f"run in {summary['output_dir']}")
+
+
+class _Timer:
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name], self.last = now - self.last, now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
+
+    def metrics(self) -> dict:
+        return {**{f"time/{k}": v for k, v in self.laps.items()}, "time/step": self.total}
+
+
+class _Progress:
+    """A rich progress bar: step, reward, KL, tokens/s and ETA (nothing when disable_tqdm)."""
+
+    def __init__(self, config: TrainConfig, start_step: int):
+        self.enabled = not config.disable_tqdm
+        if not self.enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+        self.task = self.progress.add_task("train", total=config.max_steps, completed=start_step, info="")
+
+    def __enter__(self):
+        if self.enabled:
+            self.progress.start()
+        return self
+
+    def update(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        info = f"reward {metrics['reward']:.3f}"
+        if metrics.get("kl") is not None and not math.isnan(metrics["kl"]):
+            info += f"  kl {metrics['kl']:.4f}"
+        info += f"  {metrics['tokens_per_second']:.0f} tok/s"
+        if metrics.get("eval/accuracy") is not None:
+            info += f"  held-out {metrics['eval/accuracy']:.1%}"
+        self.progress.update(self.task, completed=step, info=info)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.progress.stop()

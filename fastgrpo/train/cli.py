@@ -69,8 +69,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         config = resolve_config(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         parser.error(str(e))
+    import datasets
+    from transformers.utils import logging
+
     from fastgrpo.train.trainer import Trainer
 
+    datasets.disable_progress_bars()  # the run has its own progress bar
+    logging.disable_progress_bar()
     try:
         trainer = Trainer(config)
     except (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError) as e:

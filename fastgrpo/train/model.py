@@ -73,7 +73,11 @@ def load_policy(config: TrainConfig, device: torch.device, checkpoint: Path | No
         _apply_liger_kernel_to_instance(model=model, rms_norm=True, rope=True, swiglu=True, cross_entropy=False,
                                         fused_linear_cross_entropy=False)
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Newer transformers renamed gradient_checkpointing_enable (kept, deprecated); >= 4.56 is supported.
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     if config.use_peft:
         try:

@@ -380,3 +380,35 @@ def test_cli_runs_and_resumes(assets, tmp_path, capsys):
         main(["train", "--model-name-or-path", assets["model"], "--dataset-name", assets["data"], "--top-p", "2"])
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
     shutil.rmtree(run)
+
+
+@pytest.mark.skipif(not GSM8K.is_dir(), reason="GSM8K is read from ../shared/data/gsm8k, absent here")
+def test_gsm8k_recipe_runs_on_the_local_copy(assets, tmp_path):
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "gsm8k.yaml"
+    config = TrainConfig.from_yaml(
+        recipe, model_name_or_path=assets["model"], dataset_name=str(GSM8K), output_dir=str(tmp_path / "run"),
+        max_completion_length=4, max_prompt_length=64, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+        max_steps=1, eval_num_samples=4, report_to=["none"], disable_tqdm=True, bf16=False,
+    )  # fmt: skip
+    trainer = Trainer(config)
+    assert len(trainer.train_prompts.rows) == 7473 and len(trainer.eval_prompts.rows) == 4
+    first = json.loads((GSM8K / "train.jsonl").read_text().splitlines()[0])
+    assert trainer.train_prompts.rows[0]["answer"] == first["answer"].rsplit("####", 1)[1].strip() == "72"
+    assert all(len(ids) <= 64 for ids in trainer.train_prompts.token_ids)
+    trainer.train()
+    assert read_metrics(tmp_path / "run")[-1]["step"] == 1
+
+
+def test_chat_template_and_system_prompt(assets, tmp_path):
+    model_dir = tmp_path / "chat-model"
+    shutil.copytree(assets["model"], model_dir)
+    tokenizer = arithmetic.build_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}=="
+                               "{% else %}{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}+"
+                               "{% endif %}")
+    tokenizer.save_pretrained(model_dir)
+    trainer = Trainer(make_config(assets, tmp_path, model_name_or_path=str(model_dir), system_prompt="1-1"))
+    text = trainer.train_prompts.texts[0]
+    assert trainer.tokenizer.decode(trainer.train_prompts.token_ids[0]) == f"1-1=={text}+"
+    plain = Trainer(make_config(assets, tmp_path / "plain", system_prompt="1-1"))
+    assert plain.train_prompts.token_ids[0] == plain.tokenizer(f"1-1\n\n{text}").input_ids

@@ -1,9 +1,10 @@
 """The policy, its reference and tokenizer; the backbone forward that yields the hidden states of completion tokens."""
 
+import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 from fastgrpo.train.config import BUILTIN, TrainConfig
 
@@ -22,8 +23,19 @@ def train_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if bf16 else torch.float32
 
 
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
 def load_tokenizer(config: TrainConfig):
-    tokenizer = AutoTokenizer.from_pretrained(model_path(config), trust_remote_code=config.trust_remote_code)
+    """AutoTokenizer; except that a local folder whose tokenizer_config.json declares the generic fast class gets
+    exactly its tokenizer.json (transformers 5's AutoTokenizer would rebuild it as the model type's tokenizer, e.g.
+    a Qwen2 byte-level BPE, which drops the characters of a small word-level vocabulary)."""
+    path = model_path(config)
+    declared = Path(path) / "tokenizer_config.json"
+    if declared.is_file() and json.loads(declared.read_text()).get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -412,3 +412,18 @@ def test_chat_template_and_system_prompt(assets, tmp_path):
     assert trainer.tokenizer.decode(trainer.train_prompts.token_ids[0]) == f"1-1=={text}+"
     plain = Trainer(make_config(assets, tmp_path / "plain", system_prompt="1-1"))
     assert plain.train_prompts.token_ids[0] == plain.tokenizer(f"1-1\n\n{text}").input_ids
+
+
+def test_reward_rises_over_a_short_run(assets, tmp_path):
+    """A user reward by file path: the share of '7's in the completion. The random model starts near chance; with a
+    fixed seed the reward climbed 0.16, 0.13, 0.32 -> 0.81, 0.88, 0.92 over 12 steps. The bar (+0.2 between the
+    first and last three steps) leaves room for other BLAS roundings while no-learning fails it."""
+    module = tmp_path / "sevens.py"
+    module.write_text("def sevens(prompts, completions, **kw):\n"
+                      "    return [c.count('7') / max(len(c), 1) for c in completions]\n")
+    config = make_config(assets, tmp_path, reward_funcs=[f"{module}:sevens"], max_steps=12, save_steps=0,
+                         learning_rate=1e-2, eval_num_samples=1)
+    Trainer(config).train()
+    rewards = [r["reward"] for r in read_metrics(tmp_path / "run")[1:]]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.2, rewards

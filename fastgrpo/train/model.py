@@ -126,25 +126,26 @@ def completion_hidden(model: torch.nn.Module, sequences: list[list[int]], prompt
     device = net.get_input_embeddings().weight.device
     lengths = [len(s) for s in sequences]
     if packed:
-        input_ids = torch.tensor([t for s in sequences for t in s], device=device)[None]  # [1, sum L]
-        position_ids = torch.cat([torch.arange(n, device=device) for n in lengths])[None]  # [1, sum L]
-        hidden = backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-        starts = torch.tensor([0, *lengths[:-1]], device=device).cumsum(0)  # [B]
+        input_ids = torch.tensor([t for s in sequences for t in s])[None]  # [1, sum L]
+        position_ids = torch.cat([torch.arange(n) for n in lengths])[None]  # [1, sum L]
+        hidden = backbone(input_ids=input_ids.to(device), position_ids=position_ids.to(device),
+                          use_cache=False).last_hidden_state
+        starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)  # [B]
     else:
         L = max(lengths)
-        input_ids = torch.zeros(len(sequences), L, dtype=torch.long, device=device)  # [B, L]
-        attention_mask = torch.zeros(len(sequences), L, dtype=torch.long, device=device)  # [B, L]
+        input_ids = torch.zeros(len(sequences), L, dtype=torch.long)  # [B, L]
+        attention_mask = torch.zeros(len(sequences), L, dtype=torch.long)  # [B, L]
         for i, s in enumerate(sequences):
-            input_ids[i, : len(s)] = torch.tensor(s, device=device)
+            input_ids[i, : len(s)] = torch.tensor(s)
             attention_mask[i, : len(s)] = 1
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        starts = torch.arange(len(sequences), device=device) * L  # [B]
+        hidden = backbone(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                          use_cache=False).last_hidden_state
+        starts = torch.arange(len(sequences)) * L  # [B]
     hidden = hidden.reshape(-1, hidden.shape[-1])  # [tokens, H]
-    offsets = torch.arange(max_completion, device=device)  # [T]
-    last = torch.tensor([n - 1 for n in lengths], device=device)  # [B] the final token predicts nothing
-    rows = starts[:, None] + torch.minimum(torch.tensor(prompt_lengths, device=device)[:, None] - 1 + offsets,
-                                           last[:, None] - 1)  # [B, T]
-    return hidden[rows]  # [B, T, H]
+    offsets = torch.arange(max_completion)  # [T]
+    last = torch.tensor(lengths) - 1  # [B] the final token predicts nothing
+    rows = starts[:, None] + torch.minimum(torch.tensor(prompt_lengths)[:, None] - 1 + offsets, last[:, None] - 1)
+    return hidden[rows.to(device)]  # [B, T, H]
 
 
 def lm_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

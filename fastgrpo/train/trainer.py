@@ -243,17 +243,18 @@ class Trainer:
                     if config.loss_type not in TOKEN_NORMALISED:
                         loss = loss / config.gradient_accumulation_steps
                     loss.backward()
-                    step_loss += loss.item()
+                    step_loss = step_loss + loss.detach()
                     for key, value in micro_metrics.items():
-                        metrics[key].append(value.item())
+                        metrics[key].append(value.detach())
                 max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm).item())
+                grad_norms.append(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm))
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 losses.append(step_loss)
-        out = {key: _nanmean(values) for key, values in metrics.items()}
-        return {"loss": _nanmean(losses), "grad_norm": _nanmean(grad_norms), **out}
+        # One device sync for all the metrics of the round.
+        metrics = {"loss": losses, "grad_norm": grad_norms, **metrics}
+        return {key: _nanmean(torch.stack(values).tolist()) for key, values in metrics.items()}
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, rollout: Rollout) -> list[torch.Tensor]:

@@ -1,0 +1,97 @@
+"""The built-in task: two-operand integer arithmetic, written as characters.
+
+    {"prompt": "47+85=", "answer": "132"}      the model completes "132" and then <eos>
+
+Every (a, op, b) triple belongs to one split, fixed by a CRC32 of its text, so train and test never share a problem
+and the split does not depend on the seed or on how many problems are drawn.
+"""
+
+import re
+import zlib
+from functools import lru_cache
+from random import Random
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+PROMPT_COLUMN = "prompt"
+ANSWER_COLUMN = "answer"
+
+OPERAND_MAX = 99  # operands in [0, OPERAND_MAX]
+OPERATORS = "+-"
+TEST_PERCENT = 20  # share of all problems held out for evaluation
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+CHARACTERS = "0123456789+-*="
+
+_NUMBER = re.compile(r"-?\d+")
+
+
+def _apply(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def _in_test_split(text: str) -> bool:
+    return zlib.crc32(text.encode()) % 100 < TEST_PERCENT
+
+
+@lru_cache(maxsize=2)
+def _all_problems(split: str) -> tuple[tuple[str, str], ...]:
+    """Every (prompt, answer) of a split, in a fixed order."""
+    rows = []
+    for op in OPERATORS:
+        for a in range(OPERAND_MAX + 1):
+            for b in range(OPERAND_MAX + 1):
+                prompt = f"{a}{op}{b}="
+                if _in_test_split(prompt) == (split == "test"):
+                    rows.append((prompt, str(_apply(a, op, b))))
+    return tuple(rows)
+
+
+def problems(split: str, num: int, seed: int = 0) -> list[dict]:
+    """`num` problems of `split` ("train" or "test"), the same list for the same arguments.
+
+    Drawn without repeats in seeded random order; past the split's size (8,000 train problems) the order
+    reshuffles and starts again, so a long run sees every train problem once per pass.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if isinstance(num, bool) or not isinstance(num, int) or num < 0:
+        raise ValueError(f"num must be an int >= 0, got {num!r}")
+    pool = list(_all_problems(split))
+    rng = Random(f"{split}:{seed}")
+    rows = []
+    while len(rows) < num:
+        rng.shuffle(pool)
+        rows += pool[: num - len(rows)]
+    return [{PROMPT_COLUMN: prompt, ANSWER_COLUMN: answer} for prompt, answer in rows]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character of CHARACTERS, plus <pad> (id 0), <eos> (id 1), <unk> (id 2); nothing is added
+    around the text, so a prompt's ids are exactly its characters' ids."""
+    vocab = {token: i for i, token in enumerate([PAD, EOS, UNK, *CHARACTERS])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()  # join characters back without the spaces WordLevel would put between them
+    backend.add_special_tokens([PAD, EOS, UNK])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        padding_side="left",  # generation appends on the right
+        clean_up_tokenization_spaces=False,
+        model_max_length=32,
+    )
+
+
+def correct(completion: str, answer: str) -> bool:
+    """Whether the completion's first integer (optional minus sign, digits) is the answer."""
+    match = _NUMBER.search(completion)
+    return match is not None and match.group() == answer
+
+
+def accuracy_reward(prompts: list, completions: list[str], answer: list[str], **kwargs) -> list[float]:
+    """1.0 per completion whose first integer is its answer, else 0.0 (TRL's reward-function signature)."""
+    return [float(correct(completion, target)) for completion, target in zip(completions, answer, strict=True)]

@@ -2,10 +2,10 @@
 
 import argparse
 
-from fastgrpo.bench import sampling
+from fastgrpo.bench import sampling, trl_step
 from fastgrpo.train import cli as train_cli
 
-SUITES = {"sampling": sampling}
+SUITES = {"sampling": sampling, "trl": trl_step}
 
 
 def main(argv: list[str] | None = None) -> None:

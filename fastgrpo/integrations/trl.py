@@ -1,0 +1,267 @@
+"""`FastGRPOTrainer`: TRL's `GRPOTrainer` with fastgrpo's per-token logprobs and fused GRPO loss.
+
+    from fastgrpo.integrations.trl import FastGRPOTrainer as GRPOTrainer   # the one-line change
+
+Same constructor, config, generation, rewards, advantages, batching and logging as `trl.GRPOTrainer` (trl 1.16.x);
+two of TRL's methods are replaced:
+
+  _get_per_token_logps_and_entropies   old and reference logprobs: `fastgrpo.loss.token_logprobs`
+  _compute_loss                        the loss: `fastgrpo.loss.fused_grpo_loss` (or `token_logprobs` + `grpo_loss`
+                                       when a token mask needs the logprobs first: top_entropy_quantile < 1,
+                                       off_policy_mask_threshold), then TRL's gradient-accumulation scaling and metrics
+
+Both read the final-norm hidden states from the (wrapped) model's own forward, `output_hidden_states=[-1]` with
+`logits_to_keep` an empty index, so the model produces no logits, and go through the lm_head weight without ever
+forming the [B, T, V] logits. The head runs in the weight's dtype with autocast off (as TRL's does with
+cast_lm_head_to_fp32; without it TRL's head runs under the trainer's autocast, e.g. in bf16 for fp32 weights with
+bf16=True, where fastgrpo's fp32 head is the more precise of the two).
+
+Exact equivalent: `trl.GRPOTrainer._compute_loss` (tested in fp32 to 1e-5, tests/test_trl_trainer.py). Options
+fastgrpo cannot reproduce exactly raise a `ValueError` naming the option when the trainer is built (`UNSUPPORTED`).
+"""
+
+import inspect
+
+import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from fastgrpo.loss import fused_grpo_loss, grpo_loss, token_logprobs
+from fastgrpo.loss_config import LOSS_TYPES, LossConfig
+
+# trl versions whose GRPOTrainer internals this module was written against and tested with (1.16.0).
+SUPPORTED_TRL = ">=1.16.0,<1.17"
+
+
+def check_trl_version(version: str) -> None:
+    """ImportError unless `version` (trl's) is supported: the overridden methods are TRL internals."""
+    if Version(version) not in SpecifierSet(SUPPORTED_TRL):
+        raise ImportError(
+            f"fastgrpo.integrations.trl supports trl {SUPPORTED_TRL} (tested with 1.16.0), but trl {version} is "
+            f"installed. Install a supported version: pip install 'trl{SUPPORTED_TRL}'"
+        )
+
+
+try:
+    import trl
+except ImportError as error:
+    raise ImportError(f"fastgrpo.integrations.trl needs trl: pip install 'trl{SUPPORTED_TRL}'") from error
+check_trl_version(trl.__version__)
+
+from accelerate.utils import is_peft_model  # noqa: E402
+from transformers import ProcessorMixin  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
+from trl.trainer.utils import nanmax, nanmin  # noqa: E402
+
+__all__ = ["FastGRPOTrainer", "SUPPORTED_TRL", "UNSUPPORTED", "check_trl_version"]
+
+# What raises at construction, and why.
+UNSUPPORTED = {
+    "loss_type='vespo'": "not among fastgrpo's loss types " + str(LOSS_TYPES),
+    "use_vllm=True with vllm_importance_sampling_correction=True": "the vLLM importance-sampling ratio is not applied",
+    "entropy_coef != 0, use_adaptive_entropy=True": "the entropy bonus needs a gradient through the entropy",
+    "router_aux_loss_coef != 0 on a MoE model": "the MoE load-balancing loss is not added",
+    "fsdp, DeepSpeed ZeRO-3": "the lm_head weight is read whole, not gathered from shards",
+    "vision-language models (a ProcessorMixin processing_class)": "multimodal inputs are not forwarded",
+    "PEFT prompt learning (prefix / prompt / p-tuning)": "virtual tokens change the hidden-state positions",
+    "final_logit_softcapping, logit_scale, output_multiplier, lm_head_multiplier, logits_scaling in the model config":
+        "fastgrpo's head computes hidden @ weight.T / temperature, with no logit scaling or softcapping",
+    "config.tie_last_hidden_states=False": "hidden_states[-1] would not be the final-norm output",
+}  # fmt: skip
+
+_LOGIT_SCALING = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+# TRL's per-sequence clip extremes: gathered across processes, then nan-reduced (the others are token means).
+_EXTREMES = {"clip_ratio/low_min": nanmin, "clip_ratio/high_max": nanmax}
+
+
+def _loss_config(args) -> LossConfig:
+    """TRL's GRPOConfig as fastgrpo's LossConfig (TRL's `epsilon` is `epsilon_low`)."""
+    if args.loss_type not in LOSS_TYPES:
+        raise ValueError(f"FastGRPOTrainer does not support loss_type={args.loss_type!r}: supported are {LOSS_TYPES}")
+    if args.max_completion_length is None and args.loss_type == "dr_grpo":
+        raise ValueError("FastGRPOTrainer: loss_type='dr_grpo' needs max_completion_length (its normaliser), got None")
+    length = {} if args.max_completion_length is None else {"max_completion_length": args.max_completion_length}
+    try:
+        return LossConfig(
+            loss_type=args.loss_type, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta,
+            beta=args.beta, temperature=args.temperature, importance_sampling_level=args.importance_sampling_level,
+            use_bias_correction_kl=args.use_bias_correction_kl, sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg, **length,
+        )
+    except (TypeError, ValueError) as error:
+        message = f"FastGRPOTrainer cannot use this GRPOConfig: {error} (epsilon_low is TRL's epsilon)"
+        raise ValueError(message) from error
+
+
+def _check_options(args, peft_config, processing_class) -> None:
+    """ValueError naming the first option in UNSUPPORTED that is set; run before TRL builds anything."""
+    if args.use_vllm and args.vllm_importance_sampling_correction:
+        raise ValueError("FastGRPOTrainer does not support vllm_importance_sampling_correction=True with "
+                         "use_vllm=True: set vllm_importance_sampling_correction=False")
+    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+        raise ValueError(f"FastGRPOTrainer does not support the entropy bonus: entropy_coef={args.entropy_coef}, "
+                         f"use_adaptive_entropy={args.use_adaptive_entropy}; set entropy_coef=0.0 and "
+                         "use_adaptive_entropy=False")
+    if args.fsdp or (args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3):
+        raise ValueError("FastGRPOTrainer does not support fsdp or DeepSpeed ZeRO-3 (a sharded lm_head weight)")
+    if peft_config is not None and peft_config.is_prompt_learning:
+        raise ValueError(f"FastGRPOTrainer does not support PEFT prompt learning ({type(peft_config).__name__})")
+    if isinstance(processing_class, ProcessorMixin):
+        raise ValueError("FastGRPOTrainer does not support vision-language models (a ProcessorMixin processing_class)")
+    _loss_config(args)
+
+
+def _check_model(trainer) -> None:
+    """The checks that need the built trainer: model config, MoE loss, the accelerate backend."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if trainer.aux_loss_enabled:
+        raise ValueError(f"FastGRPOTrainer does not support the MoE load-balancing loss: router_aux_loss_coef="
+                         f"{trainer.router_aux_loss_coef}; set router_aux_loss_coef=0.0")
+    zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+    if trainer.is_fsdp_enabled or zero3:
+        raise ValueError("FastGRPOTrainer does not support fsdp or DeepSpeed ZeRO-3 (a sharded lm_head weight)")
+    if trainer._is_vlm:
+        raise ValueError("FastGRPOTrainer does not support vision-language models (a ProcessorMixin processing_class)")
+    if is_peft_model(model) and any(c.is_prompt_learning for c in model.peft_config.values()):
+        raise ValueError("FastGRPOTrainer does not support PEFT prompt learning (prefix / prompt / p-tuning)")
+    text_config = model.config.get_text_config()
+    for name in _LOGIT_SCALING:
+        if getattr(text_config, name, None) is not None:
+            raise ValueError(f"FastGRPOTrainer does not support models that scale their logits: config.{name}="
+                             f"{getattr(text_config, name)}")
+    if getattr(text_config, "tie_last_hidden_states", True) is False:
+        raise ValueError("FastGRPOTrainer needs hidden_states[-1] to be the final-norm output: the model config has "
+                         "tie_last_hidden_states=False")
+
+
+class FastGRPOTrainer(GRPOTrainer):
+    """`trl.GRPOTrainer` (same arguments) computing logprobs and the loss with fastgrpo, from hidden states."""
+
+    def __init__(self, *args, **kwargs):
+        given = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
+        if given.get("args") is not None:  # before TRL loads models or starts vLLM (TRL's default args pass)
+            _check_options(given["args"], given.get("peft_config"), given.get("processing_class"))
+        super().__init__(*args, **kwargs)
+        _check_model(self)
+        self.loss_config = _loss_config(self.args)
+
+    # -- hidden states and logprobs ----------------------------------------------------------------------------------
+
+    def _lm_head(self, model):
+        """(weight [V, H], bias [V] or None) of the lm_head; PEFT leaves it untouched (TRL rejects adapters on it)."""
+        model = self.accelerator.unwrap_model(model)
+        if is_peft_model(model):
+            model = model.get_base_model()
+        head = model.get_output_embeddings()
+        return head.weight, head.bias
+
+    def _completion_hidden_states(self, model, input_ids, attention_mask, num_completion):
+        """Final-norm hidden states [B, T, H] that predict the last T = num_completion tokens of input_ids [B, S].
+
+        Calls the model itself (DDP / PEFT wrappers included); `logits_to_keep` = no position, so no logits are made.
+        """
+        no_positions = torch.empty(0, dtype=torch.long, device=input_ids.device)
+        with self.accelerator.autocast():
+            outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                            output_hidden_states=[-1], logits_to_keep=no_positions)
+        return outputs.hidden_states[-1][:, -num_completion - 1 : -1]  # position t predicts token t + 1
+
+    def _token_logprobs(self, hidden, weight, bias, token_ids, valid):
+        """logps, entropies [B, T] fp32 of token_ids [B, T] where valid [B, T]; 0 elsewhere, as TRL's fused head.
+
+        Only the valid tokens are scored: hidden[valid] is [N, H].
+        """
+        with torch.autocast(hidden.device.type, enabled=False):
+            logp, entropy = token_logprobs(hidden[valid].to(weight.dtype), weight, token_ids[valid], bias=bias,
+                                           temperature=self.temperature, return_entropy=True)  # [N], [N]
+        zeros = logp.new_zeros(valid.shape)
+        return zeros.masked_scatter(valid, logp), zeros.masked_scatter(valid, entropy)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """TRL's old / reference logprobs (and entropies), in chunks of batch_size rows: ([B, T], [B, T] | None, None).
+
+        `multimodal` (pixel_values, ...) and `compute_aux_loss` are always None / False: excluded at construction.
+        """
+        assert not compute_aux_loss and all(v is None for v in multimodal.values()), "excluded at construction"
+        weight, bias = self._lm_head(model)
+        T = logits_to_keep
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            rows = slice(start, start + batch_size)
+            hidden = self._completion_hidden_states(model, input_ids[rows], attention_mask[rows], T)  # [b, T, H]
+            logp, entropy = self._token_logprobs(hidden, weight, bias, input_ids[rows, -T:],
+                                                 attention_mask[rows, -T:] != 0)
+            logps.append(logp)
+            entropies.append(entropy)
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+
+    # -- the loss ------------------------------------------------------------------------------------------------------
+
+    def _compute_loss(self, model, inputs):
+        """TRL's `_compute_loss` (trl 1.16): the same loss, gradient and logged metrics, from fastgrpo's loss."""
+        mode = "train" if self.model.training else "eval"
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]  # [B, T]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]  # [B, T]
+        hidden = self._completion_hidden_states(
+            model, torch.cat([inputs["prompt_ids"], completion_ids], 1),
+            torch.cat([inputs["prompt_mask"], completion_mask], 1), completion_ids.size(1),
+        )  # [B, T, H]
+        weight, bias = self._lm_head(model)
+        advantages = inputs["advantages"]  # [B] (or [B, T] from subclasses)
+        old_logps = inputs.get("old_per_token_logps")  # [B, T] or None: on-policy
+        loss_inputs = dict(
+            old_logps=old_logps, ref_logps=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
+            config=self.loss_config,
+            # dapo / cispo divide by the generation batch's token count; _loss_scale rescales it as TRL does
+            num_items_in_batch=inputs["num_items_in_batch"] if self.loss_type in ("dapo", "cispo") else None,
+        )
+        if self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
+            # TRL multiplies the policy term (not the KL) by 0/1 token masks that need the logprobs first. Every loss
+            # type's policy term is linear in the advantage given its sign, so zeroing the advantage is the same.
+            logps, entropies = self._token_logprobs(hidden, weight, bias, completion_ids, mask != 0)  # [B, T]
+            keep = torch.ones_like(mask)  # [B, T]
+            if self.top_entropy_quantile < 1.0:
+                keep = keep * self.get_high_entropy_mask(entropies.detach(), mask, 1 - self.top_entropy_quantile)
+            per_row = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # [B, 1] or [B, T]
+            if self.off_policy_mask_threshold is not None:
+                sampling = inputs.get("sampling_per_token_logps", logps.detach() if old_logps is None else old_logps)
+                keep = keep * self.get_off_policy_mask(per_row, logps, sampling, mask, self.off_policy_mask_threshold)
+            loss, _ = grpo_loss(logps, mask, per_row * keep, **loss_inputs)
+            with torch.no_grad():  # TRL's clip metrics read the unmasked advantages
+                _, metrics = grpo_loss(logps.detach(), mask, advantages, entropies=entropies.detach(), **loss_inputs)
+        else:
+            with torch.autocast(hidden.device.type, enabled=False):
+                loss, metrics = fused_grpo_loss(hidden.to(weight.dtype), weight, completion_ids, mask, advantages,
+                                                bias=bias, **loss_inputs)
+        self._log_loss_metrics(metrics, mask, advantages, mode)
+        return loss * self._loss_scale(mode)
+
+    def _loss_scale(self, mode):
+        """What turns fastgrpo's loss into TRL's: TRL divides by the accumulation steps in training, and for dapo /
+        cispo by num_items_in_batch / num_processes * accumulation steps / steps_per_generation instead of by
+        num_items_in_batch (eval: / num_processes)."""
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        if self.loss_type in ("dapo", "cispo"):
+            per_generation = self.args.steps_per_generation if mode == "train" else 1
+            return self.accelerator.num_processes * per_generation / accumulation
+        return 1.0 / accumulation
+
+    def _log_loss_metrics(self, metrics, mask, advantages, mode):
+        """Append fastgrpo's local metrics to TRL's `_metrics` as TRL reduces them across processes: means as
+        (sum, count) totals, per-sequence clip extremes gathered and nan-reduced."""
+        B, T = mask.shape
+        tokens = mask.sum().float()
+        # TRL averages over sequences (count B) a value with one column: any when T == 1, the clip indicators when
+        # both the ratio and the advantage are one per sequence.
+        clip_per_sequence = self.importance_sampling_level == "sequence" and advantages.dim() == 1
+        for name, value in metrics.items():
+            if name in _EXTREMES:
+                gathered = self.accelerator.gather(value.reshape(1).float())
+                self._metrics[mode][name].append(_EXTREMES[name](gathered).item())
+                continue
+            per_sequence = T == 1 or (clip_per_sequence and name not in ("kl", "entropy"))
+            count = torch.tensor(float(B), device=mask.device) if per_sequence else tokens
+            totals = self.accelerator.reduce(torch.stack([value.float() * count, count]), reduction="sum")
+            self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())

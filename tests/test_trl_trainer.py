@@ -1,0 +1,544 @@
+"""`fastgrpo.integrations.trl.FastGRPOTrainer` trains exactly as stock `trl.GRPOTrainer` (trl 1.16).
+
+Each case trains a tiny fp32 Qwen2 (built from a config, saved to a temporary folder, with a word-level tokenizer)
+for two optimizer steps twice, once with `GRPOTrainer` and once with `FastGRPOTrainer`, from the same seed, on CPU:
+sampling, rewards and advantages are TRL's own in both, so the completions must come out identical (checked), and
+then every micro-step's loss, every parameter's gradient at the first optimizer step, the parameters after two steps
+and every logged loss metric (kl, entropy, clip_ratio/*, cispo_clip_ratio) must agree.
+
+The optimizer is plain SGD without gradient clipping: the parameters then move by lr x the gradient, so comparing
+them after two steps checks the gradients of step two too (Adam's first steps move every weight by about +-lr
+whatever the gradient, and clipping hides a wrong overall scale such as the accumulation normaliser).
+
+Parametrization: every fastgrpo loss type runs twice, with complementary settings of four two-valued axes (beta 0 /
+0.04, token / sequence importance level, num_iterations 1 / 2, gradient accumulation 1 / 2), drawn from four base rows
+(`_ROWS`) that cover every pair of values of every two axes. dapo / cispo (the loss types normalised by
+`num_items_in_batch`) accumulate over steps_per_generation = 4 instead of 2, so TRL's generation-batch rescaling is
+not 1. Separate cases: fastgrpo's Triton kernels (interpreted on CPU), two processes (DDP over gloo), LoRA (the
+reference = adapters disabled), a bf16 model with cast_lm_head_to_fp32, top_entropy_quantile < 1,
+off_policy_mask_threshold, mask_truncated_completions, evaluation; the hidden states read are the final-norm ones
+(Qwen2, Llama); the options that must raise; the version check.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+import torch  # noqa: E402
+from helpers import word_tokenizer  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, TrainerCallback  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from fastgrpo.integrations.trl import FastGRPOTrainer, check_trl_version  # noqa: E402
+from fastgrpo.loss_config import CLIP_LOSS_TYPES, LOSS_TYPES  # noqa: E402
+
+# Both trainers run in fp32 on the same completions; they differ only in how the logprobs and the loss are summed
+# (TRL: its chunked fused head dividing logits by T; fastgrpo: its chunked torch path or Triton kernels multiplying
+# by 1/T, other blockings), ~1e-7 relative per op, amplified at most ~10x through the log-softmax over V = 43 and
+# sums over <= 128 tokens. Observed maxima (printed at module teardown with -s): losses and metrics use <= 0.3 of
+# their tolerance, first-step gradients differ by <= 7e-7 x max|grad| (Triton kernels: 3e-6), parameters after two
+# steps by <= 2e-7.
+# - Losses: rtol 1e-5 / atol 1e-6 (the atol covers losses that are ~0 because the group advantages sum to 0).
+# - Gradients at the first step: per parameter, max|diff| <= 1e-5 x max|TRL's gradient| (entries near
+#   cancellation carry large relative error, so the bound scales with the largest entry, as in test_trl_parity).
+# - Parameters after two steps: max|diff| <= 1e-5 absolute. With lr = LR, two steps move some weight of every case
+#   by 5e-3 to 7e-2 (checked: > 100 x the tolerance), so a formula difference (a wrong normaliser, a missing
+#   mask) shows up far above it, while gradient differences of ~1e-6 relative move the runs apart by ~1e-7. LR is
+#   small because the tiny model is sensitive (its std-0.02 embeddings set the direction of the normalised residual
+#   stream): at lr 0.01 one case's first step moved logprobs by several nats, its k3 KL reached ~700 and the two
+#   runs ended 1.6e-5 apart, rounding amplified by an ill-conditioned second step rather than a formula difference.
+# - Metrics: rtol 1e-5 / atol 1e-6 as the losses (they are means of the same per-token quantities).
+LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
+GRAD_REL = 1e-5
+PARAM_ATOL = 1e-5
+LR = 0.003
+
+VOCAB_WORDS = 40  # + 3 special tokens: EOS (id 1) is sampled often enough that completions of every length occur
+PAD_ID, EOS_ID = 0, 1
+MAX_COMPLETION_LENGTH = 8
+BATCH, GROUP = 4, 4  # per-device batch (micro-batch) and completions per prompt
+METRIC_PREFIXES = ("kl", "entropy", "clip_ratio/", "cispo_clip_ratio")
+
+# Per loss type: GRPOConfig options beyond the axes (each a LossConfig field of the same meaning).
+EXTRA = {
+    "grpo": {"epsilon": 0.2, "delta": 1.5, "temperature": 0.7},
+    "bnpo": {"epsilon": 0.1},
+    "dr_grpo": {"epsilon": 0.2, "epsilon_high": 0.25},
+    "dapo": {"epsilon": 0.2, "epsilon_high": 0.28},
+    "luspo": {"epsilon": 0.15, "temperature": 1.3},
+    "cispo": {"epsilon": 0.2, "epsilon_high": 1.1, "temperature": 0.7},  # epsilon_high is CISPO's ratio cap
+    "sapo": {"sapo_temperature_pos": 0.9, "sapo_temperature_neg": 1.2},
+}
+# (beta > 0, sequence level, num_iterations 2, accumulation 2): four rows whose complements complete a covering
+# array of strength 2 over the four axes.
+_ROWS = [(0, 0, 0, 0), (0, 0, 1, 1), (0, 1, 0, 1), (0, 1, 1, 0)]
+
+
+def _axes(loss_type, row):
+    beta, sequence, mu2, accumulate = row
+    per_generation = 4 if loss_type in ("dapo", "cispo") else 2
+    return {"beta": 0.04 if beta else 0.0, "importance_sampling_level": "sequence" if sequence else "token",
+            "num_iterations": 2 if mu2 else 1, "gradient_accumulation_steps": 2 if accumulate else 1,
+            "steps_per_generation": per_generation if accumulate else 1}
+
+
+CASES = [
+    pytest.param(loss_type, options, id=f"{loss_type}-beta{options['beta']}-{options['importance_sampling_level']}"
+                 f"-mu{options['num_iterations']}-gas{options['gradient_accumulation_steps']}"
+                 f"-spg{options['steps_per_generation']}")
+    for i, loss_type in enumerate(LOSS_TYPES)
+    for row in (_ROWS[i % 4], tuple(1 - v for v in _ROWS[i % 4]))
+    for options in [_axes(loss_type, row)]
+]
+
+# quantity -> max difference seen (grad_rel: / max|grad|; x/tol: the fraction of the tolerance used), printed at
+# module teardown (visible with -s).
+_MAX_DIFF = {}
+
+
+def _record(what, value):
+    _MAX_DIFF[what] = max(_MAX_DIFF.get(what, 0.0), value)
+
+
+def _tolerance_used(got, want):
+    """max |got - want| / (atol + rtol |want|) under LOSS_TOL: 1 is the limit (NaN pairs count as 0)."""
+    used = (got.double() - want.double()).abs() / (LOSS_TOL["atol"] + LOSS_TOL["rtol"] * want.double().abs())
+    return used.nan_to_num(0.0).max().item()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread_and_max_diffs():
+    # Tiny tensors: intra-op threads only add OpenMP spin-waits on a 2-core machine shared with other processes.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    if _MAX_DIFF:
+        print("\nFastGRPOTrainer vs GRPOTrainer, max differences:")
+        for what, value in sorted(_MAX_DIFF.items()):
+            print(f"  {what:<14} {value:.3e}")
+
+
+def _tiny_config(cls, vocab_size):
+    return cls(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=PAD_ID,
+               bos_token_id=EOS_ID, eos_token_id=EOS_ID)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A tiny fp32 Qwen2 and its word-level tokenizer, saved offline."""
+    path = tmp_path_factory.mktemp("trl_trainer")
+    tokenizer = word_tokenizer(VOCAB_WORDS)
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(_tiny_config(Qwen2Config, len(tokenizer)))
+    with torch.no_grad():  # a non-trivial head: random init std 0.02 makes every distribution almost uniform
+        model.lm_head.weight.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    return path, tokenizer
+
+
+def _reward(completion_ids, **kwargs):
+    """A rule reward that varies within each group: the fraction of words with an id divisible by 3."""
+    return [sum(i % 3 == 0 for i in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def _dataset(n=8):
+    """n prompts of 1 to 4 words (so that they are left-padded)."""
+    return datasets.Dataset.from_dict({"prompt": [" ".join(f"w{(7 * i + j) % VOCAB_WORDS}" for j in range(1 + i % 4))
+                                                  for i in range(n)]})
+
+
+def _config(path, **options):
+    defaults = dict(
+        output_dir=str(path / "out"), per_device_train_batch_size=BATCH, num_generations=GROUP,
+        max_completion_length=MAX_COMPLETION_LENGTH, max_steps=2, optim="sgd", learning_rate=LR,
+        lr_scheduler_type="constant", max_grad_norm=0.0, report_to=[], use_cpu=True, bf16=False, save_strategy="no",
+        logging_steps=1, seed=0,
+    )
+    return GRPOConfig(**{**defaults, **options})
+
+
+class _FirstGradients(TrainerCallback):
+    """Copies every parameter's gradient just before the first optimizer step (after accumulation)."""
+
+    def __init__(self):
+        self.grads = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self.grads is None:
+            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _recording(cls):
+    """cls recording what a run must agree on: micro-step losses, completions, the token masks TRL computes."""
+
+    class Recording(cls):
+        def __init__(self, *args, **kwargs):
+            self.losses, self.completions, self.masks = [], [], []
+            super().__init__(*args, **kwargs)
+
+        def training_step(self, *args, **kwargs):
+            loss = super().training_step(*args, **kwargs)
+            self.losses.append(loss.item())
+            return loss
+
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            self.completions.append([list(ids) for ids in completion_ids_list])
+            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+
+        def get_high_entropy_mask(self, entropies, mask, threshold):
+            keep = super().get_high_entropy_mask(entropies, mask, threshold)
+            self.masks.append(("entropy", keep.clone(), mask.bool()))
+            return keep
+
+        def get_off_policy_mask(self, advantages, per_token_logps, sampling_per_token_logps, mask,
+                                off_policy_threshold):
+            keep = cls.get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
+                                           off_policy_threshold)
+            self.masks.append(("off_policy", keep.clone(), mask.sum(1, keepdim=True) > 0))
+            return keep
+
+    return Recording
+
+
+def _train(path, tokenizer, trainer_cls, model=None, train=True, **kwargs):
+    """A (recording) trainer_cls trained for two steps; kwargs: GRPOConfig options and trainer arguments."""
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("peft_config", "eval_dataset", "processing_class")}
+    kwargs.setdefault("processing_class", tokenizer)
+    gradients = _FirstGradients()
+    trainer = _recording(trainer_cls)(
+        model=model or Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32), reward_funcs=_reward,
+        args=_config(path, **options), train_dataset=_dataset(), callbacks=[gradients], **kwargs,
+    )
+    if train:
+        trainer.train()
+    trainer.first_grads = gradients.grads
+    return trainer
+
+
+def _loss_metrics(trainer):
+    """The logged loss metrics per optimizer step: [{name: value}]."""
+    rows = [{k: v for k, v in log.items() if k.startswith(METRIC_PREFIXES)} for log in trainer.state.log_history]
+    return [row for row in rows if row]
+
+
+def _assert_mixed_lengths(completions):
+    lengths = [len(ids) for batch in completions for ids in batch]
+    assert min(lengths) < MAX_COMPLETION_LENGTH == max(lengths), f"want finished and truncated completions: {lengths}"
+
+
+def _assert_same_training(stock, fast, initial, mixed_lengths=True):
+    """Completions, micro-step losses, first-step gradients, final parameters and loss metrics all agree."""
+    assert stock.completions and fast.completions == stock.completions, "the completions differ"
+    if mixed_lengths:
+        _assert_mixed_lengths(stock.completions)
+
+    assert len(fast.losses) == len(stock.losses) == 2 * stock.args.gradient_accumulation_steps
+    # (On-policy grpo / luspo / sapo losses are ~0 in value, the group advantages summing to 0; their gradients
+    # are not, which the parameter check below makes sure of.)
+    losses, stock_losses = (torch.tensor(run.losses, dtype=torch.float64) for run in (fast, stock))
+    _record("loss", (losses - stock_losses).abs().max().item())
+    _record("loss/tol", _tolerance_used(losses, stock_losses))
+    torch.testing.assert_close(losses, stock_losses, **LOSS_TOL)
+
+    assert fast.first_grads.keys() == stock.first_grads.keys() and stock.first_grads
+    for name, want in stock.first_grads.items():
+        diff, scale = (fast.first_grads[name] - want).abs().max().item(), want.abs().max().item()
+        _record("grad_rel", diff / max(scale, 1e-30))
+        assert diff <= GRAD_REL * scale, f"grad of {name}: max|diff| {diff:.3e} > {GRAD_REL} * max|grad| {scale:.3e}"
+
+    moved = 0.0
+    fast_params = dict(fast.model.named_parameters())
+    for name, p in stock.model.named_parameters():
+        diff = (fast_params[name] - p).abs().max().item()
+        moved = max(moved, (p - initial[name]).abs().max().item())
+        _record("param", diff)
+        assert diff <= PARAM_ATOL, f"{name} after two steps: max|diff| {diff:.3e} > {PARAM_ATOL}"
+    assert moved > 100 * PARAM_ATOL, f"the parameters barely moved ({moved:.1e}): the comparison would be vacuous"
+
+    metrics, stock_metrics = _loss_metrics(fast), _loss_metrics(stock)
+    assert len(stock_metrics) == 2 and [m.keys() for m in metrics] == [m.keys() for m in stock_metrics]
+    for step, (got, want) in enumerate(zip(metrics, stock_metrics, strict=True)):
+        for name, value in want.items():
+            _record("metric/tol", _tolerance_used(torch.tensor(got[name]), torch.tensor(value)))
+            torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(value), equal_nan=True,
+                                       msg=lambda m, name=name, step=step: f"step {step} {name}: {m}", **LOSS_TOL)
+    return stock_metrics
+
+
+def _initial(path):
+    return dict(Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
+
+
+@pytest.mark.parametrize(("loss_type", "options"), CASES)
+def test_training_matches_trl(workdir, loss_type, options):
+    path, tokenizer = workdir
+    options = {"loss_type": loss_type, **EXTRA[loss_type], **options}
+    stock = _train(path, tokenizer, GRPOTrainer, **options)
+    fast = _train(path, tokenizer, FastGRPOTrainer, **options)
+    metrics = _assert_same_training(stock, fast, _initial(path))
+    # The cases must reach the branches they name: a KL to a reference that has moved away, and, after an update
+    # on the same completions (num_iterations 2), ratios away from 1 that clip.
+    if options["beta"]:
+        assert metrics[1]["kl"] > 0, metrics
+    if options["num_iterations"] == 2 and loss_type in CLIP_LOSS_TYPES:
+        assert max(m["clip_ratio/region_mean"] for m in metrics) > 0, metrics
+
+
+@pytest.fixture
+def interpreted_triton(monkeypatch):
+    """FASTGRPO_BACKEND=triton on CPU tensors: the Triton kernels under TRITON_INTERPRET=1 (set by conftest.py without
+    CUDA, before any kernel is defined); on a CUDA machine the trainer here still runs on CPU, so skip."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest.py on machines without CUDA)")
+    monkeypatch.setenv("FASTGRPO_BACKEND", "triton")
+
+
+# The kernels' metrics come from per-row sums (fastgrpo.loss._kernel_metrics): one token-level and one sequence-level
+# case, both off-policy with a KL, check that the trainer turns them into TRL's logged values.
+KERNEL_CASES = [case for case in CASES if case.id in ("dapo-beta0.04-token-mu1-gas2-spg4",
+                                                       "grpo-beta0.04-sequence-mu2-gas2-spg2")]
+
+
+@pytest.mark.parametrize(("loss_type", "options"), KERNEL_CASES)
+def test_training_with_triton_kernels_matches_trl(workdir, interpreted_triton, loss_type, options):
+    test_training_matches_trl(workdir, loss_type, options)
+
+
+# Two processes (DDP over gloo on CPU): each rank samples its own completions (TRL seeds per process), so the
+# token counts differ across ranks and TRL's cross-process reductions (count-weighted means, gathered extremes,
+# num_items_in_batch / num_processes) have to be reproduced, not just the local values.
+DDP_CASES = {
+    "grpo-sequence": dict(loss_type="grpo", **EXTRA["grpo"], importance_sampling_level="sequence", beta=0.04,
+                          num_iterations=2),
+    "dapo-token": dict(loss_type="dapo", **EXTRA["dapo"], beta=0.04, num_iterations=2, gradient_accumulation_steps=2,
+                       steps_per_generation=4),
+}
+
+
+def _ddp_worker(path, out_dir):
+    """One rank of test_ddp_matches_trl: the same comparisons as single-process runs, on this rank's view."""
+    import json
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    report = {"completions": {}}
+    for name, options in DDP_CASES.items():
+        stock = _train(path, word_tokenizer(VOCAB_WORDS), GRPOTrainer, **options)
+        fast = _train(path, word_tokenizer(VOCAB_WORDS), FastGRPOTrainer, **options)
+        assert stock.accelerator.num_processes == 2
+        _assert_same_training(stock, fast, _initial(path), mixed_lengths=False)  # checked over both ranks
+        report["completions"][name] = stock.completions
+    report["max_diff"] = _MAX_DIFF
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def test_ddp_matches_trl(workdir, tmp_path):
+    import json
+
+    path, _ = workdir
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+           str(path), str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for name in DDP_CASES:  # else the cross-process reductions would see equal counts
+        assert ranks[0]["completions"][name] != ranks[1]["completions"][name], name
+        _assert_mixed_lengths(ranks[0]["completions"][name] + ranks[1]["completions"][name])
+    for rank in ranks:
+        for what, value in rank["max_diff"].items():
+            _record(f"ddp {what}", value)
+
+
+def test_lora_matches_trl(workdir):
+    """PEFT: a LoRA adapter on the backbone trains as in TRL; the reference (beta > 0) has the adapters disabled."""
+    peft = pytest.importorskip("peft")
+    path, tokenizer = workdir
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    options = dict(loss_type="dapo", beta=0.04, num_iterations=2, learning_rate=0.1)  # LoRA's B starts at 0
+    stock = _train(path, tokenizer, GRPOTrainer, peft_config=lora, **options)
+    fast = _train(path, tokenizer, FastGRPOTrainer, peft_config=lora, **options)
+    initial = {name: p.detach().clone() for name, p in _train(path, tokenizer, GRPOTrainer, peft_config=lora,
+                                                               train=False, **options).model.named_parameters()}
+    metrics = _assert_same_training(stock, fast, initial)
+    assert all("lora_" in name for name in stock.first_grads), sorted(stock.first_grads)
+    assert metrics[1]["kl"] > 0  # step 2: the adapter has moved the policy away from the adapter-free reference
+
+
+def test_bf16_model_with_fp32_lm_head_matches_trl(workdir):
+    """cast_lm_head_to_fp32 on a bf16 model under bf16 autocast: TRL runs the head in fp32 on fp32-cast hidden states,
+    and so does FastGRPOTrainer (it reads the fp32 weight and casts the hidden states to it). The bf16 backbone is
+    the same code in both, so the only differences are the head's fp32 rounding, as in the fp32 cases."""
+    path, tokenizer = workdir
+    options = dict(loss_type="dapo", beta=0.04, num_iterations=2, cast_lm_head_to_fp32=True, bf16=True)
+    stock, fast = (_train(path, tokenizer, cls, model=Qwen2ForCausalLM.from_pretrained(path, dtype=torch.bfloat16),
+                          **options) for cls in (GRPOTrainer, FastGRPOTrainer))
+    assert stock.model.lm_head.weight.dtype == torch.float32 and stock.model.model.norm.weight.dtype == torch.bfloat16
+    _assert_same_training(stock, fast, {name: p.to(torch.bfloat16) for name, p in _initial(path).items()})
+
+
+@pytest.mark.parametrize(("loss_type", "level"), [("grpo", "token"), ("bnpo", "sequence")])
+def test_top_entropy_quantile_matches_trl(workdir, loss_type, level):
+    path, tokenizer = workdir
+    options = dict(loss_type=loss_type, **EXTRA[loss_type], importance_sampling_level=level, beta=0.04,
+                   num_iterations=2, top_entropy_quantile=0.4)
+    stock = _train(path, tokenizer, GRPOTrainer, **options)
+    fast = _train(path, tokenizer, FastGRPOTrainer, **options)
+    _assert_same_training(stock, fast, _initial(path))
+    # The same tokens were kept, and some tokens were dropped, else the mask would be untested.
+    assert len(fast.masks) == len(stock.masks) == len(stock.losses)
+    for (_, keep, valid), (_, stock_keep, _) in zip(fast.masks, stock.masks, strict=True):
+        assert torch.equal(keep, stock_keep)
+        assert 0 < keep.sum() < valid.sum()
+
+
+def test_off_policy_mask_matches_trl(workdir):
+    """off_policy_mask_threshold drops negative-advantage sequences whose policy drifted from the sampling one."""
+    path, tokenizer = workdir
+    options = dict(loss_type="bnpo", **EXTRA["bnpo"], num_iterations=2, off_policy_mask_threshold=0.0)
+    stock = _train(path, tokenizer, GRPOTrainer, **options)
+    fast = _train(path, tokenizer, FastGRPOTrainer, **options)
+    _assert_same_training(stock, fast, _initial(path))
+    assert len(fast.masks) == len(stock.masks) == len(stock.losses)
+    for (_, keep, _), (_, stock_keep, _) in zip(fast.masks, stock.masks, strict=True):
+        assert torch.equal(keep, stock_keep)
+    assert min(keep.sum() for _, keep, _ in stock.masks) < BATCH  # step 2 drops a sequence
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "luspo"])
+def test_mask_truncated_completions_matches_trl(workdir, loss_type):
+    path, tokenizer = workdir
+    options = dict(loss_type=loss_type, **EXTRA[loss_type], mask_truncated_completions=True,
+                   gradient_accumulation_steps=2, steps_per_generation=2)
+    stock = _train(path, tokenizer, GRPOTrainer, **options)
+    fast = _train(path, tokenizer, FastGRPOTrainer, **options)
+    _assert_same_training(stock, fast, _initial(path))  # checks that truncated and finished completions occur
+
+
+def test_evaluation_matches_trl(workdir):
+    """Evaluation logs TRL's loss and metrics: no accumulation, and dapo divides by num_items_in_batch /
+    num_processes (in training also x accumulation / steps_per_generation, here 1 / 4: a mix-up would show as 4x)."""
+    path, tokenizer = workdir
+    options = dict(loss_type="dapo", beta=0.04, steps_per_generation=4, per_device_eval_batch_size=8,
+                   eval_dataset=_dataset(8))
+    results = [_train(path, tokenizer, cls, train=False, **options).evaluate()
+               for cls in (GRPOTrainer, FastGRPOTrainer)]
+    names = ("eval_loss", *("eval_" + prefix for prefix in METRIC_PREFIXES))
+    stock, fast = ({k: v for k, v in r.items() if k.startswith(names)} for r in results)
+    assert fast.keys() == stock.keys() and {"eval_loss", "eval_kl", "eval_entropy"} <= stock.keys()
+    assert abs(stock["eval_loss"]) > 1e-3, stock
+    for name, value in stock.items():
+        torch.testing.assert_close(torch.tensor(fast[name]), torch.tensor(value), msg=name, **LOSS_TOL)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_hidden_states_are_final_norm_outputs(workdir, arch):
+    """The hidden states the trainer scores are the backbone's last_hidden_state (after the final norm), through
+    TRL's patched forward (its fused lm_head) and with no logits produced."""
+    path, tokenizer = workdir
+    cls, config = (Qwen2ForCausalLM, Qwen2Config) if arch == "qwen2" else (LlamaForCausalLM, LlamaConfig)
+    torch.manual_seed(0)
+    model = cls(_tiny_config(config, len(tokenizer)))
+    trainer = _train(path, tokenizer, FastGRPOTrainer, model=model, train=False)
+    ids = torch.randint(3, len(tokenizer), (3, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding
+    mask[1, 7:] = 0  # right padding
+    want = trainer.model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, 4:8]
+    seen = []  # (the last decoder layer's output, before the final norm; the lm_head's output shape)
+    hooks = [trainer.model.model.layers[-1].register_forward_hook(lambda m, args, out: seen.append(out[:, 4:8])),
+             trainer.model.lm_head.register_forward_hook(lambda m, args, out: seen.append(out.shape))]
+    hidden = trainer._completion_hidden_states(trainer.model, ids, mask, 4)
+    for hook in hooks:
+        hook.remove()
+    torch.testing.assert_close(hidden, want, rtol=0, atol=0)
+    assert not torch.allclose(hidden, seen[0])  # not the state before the final norm
+    assert seen[1] == torch.Size([3, 0, len(tokenizer)])  # the lm_head ran on no position
+
+
+def _moe_model(vocab_size):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = _tiny_config(Qwen2MoeConfig, vocab_size)
+    config.update(dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=16))
+    return Qwen2MoeForCausalLM(config)
+
+
+def _prompt_tuning():
+    peft = pytest.importorskip("peft")
+    return peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+
+
+def _processor():
+    """A ProcessorMixin (what marks a vision-language model to TRL) around the word tokenizer."""
+    from transformers import ProcessorMixin
+
+    class Processor(ProcessorMixin):
+        attributes = ["tokenizer"]
+        tokenizer_class = "PreTrainedTokenizerFast"
+
+    return Processor(tokenizer=word_tokenizer(VOCAB_WORDS))
+
+
+UNSUPPORTED = [
+    pytest.param(dict(loss_type="vespo"), "loss_type='vespo'", id="vespo"),
+    pytest.param(dict(entropy_coef=0.01), "entropy_coef=0.01", id="entropy_coef"),
+    pytest.param(dict(use_adaptive_entropy=True), "use_adaptive_entropy=True", id="adaptive_entropy"),
+    pytest.param(dict(use_vllm=True), "vllm_importance_sampling_correction=True", id="vllm_is_correction"),
+    pytest.param(dict(epsilon=-0.1), "epsilon_low must be a finite number >= 0", id="bad_epsilon"),
+    pytest.param(dict(loss_type="dr_grpo", max_completion_length=None), "needs max_completion_length", id="dr_grpo"),
+    pytest.param(dict(fsdp=True), "fsdp", id="fsdp"),
+    pytest.param(dict(peft_config=_prompt_tuning), "PEFT prompt learning", id="prompt_tuning"),
+    pytest.param(dict(processing_class=_processor), "vision-language models", id="vlm"),
+    pytest.param(dict(model=_moe_model, router_aux_loss_coef=0.01), "router_aux_loss_coef=0.01", id="moe_aux_loss"),
+    pytest.param(dict(model_config={"final_logit_softcapping": 30.0}), "config.final_logit_softcapping=30.0",
+                 id="softcapping"),
+    pytest.param(dict(model_config={"logit_scale": 0.5}), "config.logit_scale=0.5", id="logit_scale"),
+    pytest.param(dict(model_config={"tie_last_hidden_states": False}), "tie_last_hidden_states=False",
+                 id="untied_last_hidden_state"),
+]
+
+
+@pytest.mark.parametrize(("options", "message"), UNSUPPORTED)
+def test_unsupported_options_raise_at_construction(workdir, options, message):
+    path, tokenizer = workdir
+    options = dict(options)
+    load = lambda vocab_size: Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = options.pop("model", load)(len(tokenizer))
+    for name, value in options.pop("model_config", {}).items():
+        setattr(model.config, name, value)
+    for name in ("peft_config", "processing_class"):  # built here: the parameter list is built at collection
+        if name in options:
+            options[name] = options[name]()
+    with pytest.raises(ValueError, match="FastGRPOTrainer") as error:
+        _train(path, tokenizer, FastGRPOTrainer, model=model, train=False, **options)
+    assert message in str(error.value)
+
+
+def test_trl_version_check():
+    check_trl_version("1.16.0")
+    check_trl_version("1.16.7")
+    for version in ("1.15.2", "1.17.0", "2.0.0"):
+        with pytest.raises(ImportError, match=f"supports trl .*1.16.0.*but trl {version} is installed"):
+            check_trl_version(version)
+    # The check runs when the module is imported.
+    code = "import trl; trl.__version__ = '1.15.2'; import fastgrpo.integrations.trl"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0
+    message = "ImportError: fastgrpo.integrations.trl supports trl >=1.16.0,<1.17 (tested with 1.16.0), but trl 1.15.2"
+    assert message in out.stderr, out.stderr[-2000:]
+
+
+if __name__ == "__main__":  # a rank of test_ddp_matches_trl, started by torch.distributed.run
+    from pathlib import Path
+
+    _ddp_worker(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -427,3 +427,16 @@ def test_reward_rises_over_a_short_run(assets, tmp_path):
     rewards = [r["reward"] for r in read_metrics(tmp_path / "run")[1:]]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.2, rewards
+
+
+def test_builtin_default_learns(tmp_path):
+    """The built-in recipe, cut to 100 steps: held-out accuracy (all 2,005 problems, greedy) must rise by 10 points.
+    Observed 28.1% -> 54.0% (the full 300-step default: 66.7%); the bar leaves room for other CPUs'
+    roundings while a trainer that does not learn fails it."""
+    from fastgrpo.train.config import DEFAULT_RECIPE
+
+    config = TrainConfig.from_yaml(DEFAULT_RECIPE, max_steps=100, eval_steps=0, save_steps=0,
+                                   output_dir=str(tmp_path / "run"), report_to=["none"], disable_tqdm=True)
+    summary = Trainer(config).train()
+    assert 0.2 < summary["initial_accuracy"] < 0.35
+    assert summary["final_accuracy"] > summary["initial_accuracy"] + 0.10, summary

@@ -156,7 +156,8 @@ class Trainer:
         self.log.close()
         plot_path = plot(self.log.history, self.output_dir / PLOT_FILE)
         summary = {"initial_accuracy": self.initial_accuracy, "final_accuracy": final_accuracy, "steps": self.step,
-                   "seconds": self.seconds, "output_dir": str(self.output_dir), "plot": str(plot_path)}
+                   "seconds": self.seconds, "output_dir": str(self.output_dir), "plot": str(plot_path),
+                   "eval_prompts": 0 if self.eval_prompts is None else len(self.eval_prompts.rows)}
         print(summary_line(summary, config))
         return summary
 
@@ -337,7 +338,7 @@ def summary_line(summary: dict, config: TrainConfig) -> str:
         accuracy_text = "no held-out evaluation"
     else:
         accuracy_text = (f"held-out accuracy {summary['initial_accuracy']:.1%} -> {summary['final_accuracy']:.1%} "
-                         f"(pass@1, {how}, {config.eval_num_samples} prompts at most)")
+                         f"(pass@1, {how}, {summary['eval_prompts']} held-out prompts)")
     return (f"fastgrpo: {accuracy_text}; {summary['steps']} steps in {summary['seconds']:.0f} s; "
             f"run in {summary['output_dir']}")
 

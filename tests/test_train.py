@@ -220,7 +220,7 @@ def test_run_writes_config_metrics_checkpoints_and_plot(assets, tmp_path, capsys
     assert rows[0]["eval/accuracy"] == summary["initial_accuracy"] and rows[-1]["eval/accuracy"] is not None
     assert [p.name for p in checkpoint.checkpoints(run)] == ["checkpoint-2", "checkpoint-4"]
     loaded = AutoModelForCausalLM.from_pretrained(run / "checkpoint-4")
-    assert loaded.config.vocab_size == 17
+    assert loaded.config.vocab_size == len(arithmetic.build_tokenizer())
     assert (run / "training_curves.png").stat().st_size > 10_000
     assert any((run / "tensorboard").iterdir())
     assert "held-out accuracy" in capsys.readouterr().out

@@ -1,0 +1,19 @@
+"""pyproject.toml ships every subpackage and the built-in model: an editable install would hide a missing one."""
+
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_subpackage_and_the_default_model_are_packaged():
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {"fastgrpo.kernels"} | {
+        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "fastgrpo").rglob("__init__.py")
+    }
+    assert set(setuptools["packages"]) == found
+    data = setuptools["package-data"]["fastgrpo.train"]
+    assert "default.yaml" in data and "default_model/*" in data
+    assert (ROOT / "fastgrpo" / "train" / "default_model" / "model.safetensors").is_file()

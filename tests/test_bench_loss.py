@@ -1,0 +1,108 @@
+"""Smoke tests of the loss benchmark (fastgrpo/bench/loss.py): it runs, writes its results files, and every method
+computes the same loss as the reference on the same inputs (never a timed assertion)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastgrpo.bench.loss import GEMMS, HEADS, Case, flop_count, main, valid_tokens
+
+ROOT = str(Path(__file__).resolve().parents[1])  # run the checkout's fastgrpo in the child, not an installed one
+
+
+def bench(*args, cwd):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))}
+    return subprocess.run([sys.executable, "-m", "fastgrpo.bench.loss", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env)
+
+
+def close(value, expected, rel):
+    return abs(value - expected) <= rel * abs(expected) + 1e-6
+
+
+def test_bench_loss_tiny_writes_results_and_agrees_with_reference(tmp_path):
+    pytest.importorskip("matplotlib")
+    methods = ["fastgrpo", "reference", "floor"] + (["trl"] if _installed("trl") else [])
+    out = bench("--device", "cpu", "--heads", "cpu-h64-v4096", "--tokens", "80", "--beta", "0", "0.04",
+                "--repeats", "1", "--warmup", "0", "--threads", "1", "--methods", *methods, "liger",
+                "--out-dir", str(tmp_path), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (json_path,) = tmp_path.glob("loss-*.json")
+    (md_path,) = tmp_path.glob("loss-*.md")
+    (png_path,) = tmp_path.glob("loss-*.png")
+    assert png_path.stat().st_size > 0
+    rows = json.loads(json_path.read_text())["rows"]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["seconds"] > 0 and row["peak_bytes"] is not None and row["flops"] == flop_count(
+            row["method"], row["mode"], Case(row["head"], row["tokens"], row["beta"], row["mode"]))
+        for key in ("device", "torch", "transformers", "date", "dtype", "hidden_size", "vocab_size", "tokens"):
+            assert row[key] is not None, key
+    # 3 modes x 2 betas per loss method, 3 modes for the floor (no loss, so no beta)
+    assert sorted(r["method"] for r in rows) == sorted([m for m in methods if m != "floor"] * 6 + ["floor"] * 3)
+    liger_installed = _installed("liger_kernel")
+    assert liger_installed or "liger: skipped, liger_kernel is not installed" in md_path.read_text()
+    reference = {(r["beta"], r["mode"]): r for r in rows if r["method"] == "reference"}
+    for row in rows:
+        if row["method"] in ("reference", "floor"):
+            continue
+        ref = reference[row["beta"], row["mode"]]
+        # fp32 on a CPU: the chunked paths and the full-logit reference differ by summation order only (~1e-7
+        # relative); 1e-5 leaves room for the vocab-chunked logsumexp and the fp32 gradient accumulation.
+        if row["mode"] == "forward":
+            assert close(row["mean_logp"], ref["mean_logp"], 1e-5), (row, ref)
+        else:
+            assert close(row["loss"], ref["loss"], 1e-5), (row, ref)
+        if row["mode"] == "full":
+            assert close(row["grad_hidden_norm"], ref["grad_hidden_norm"], 1e-4), (row, ref)
+            assert close(row["grad_weight_norm"], ref["grad_weight_norm"], 1e-4), (row, ref)
+        if row["method"] == "fastgrpo":
+            assert row["time_vs_floor"] > 0 and row["time_vs_reference"] > 0
+    assert "| fastgrpo |" in md_path.read_text() and "| floor |" in out.stdout
+
+
+def test_bench_loss_flop_formulas():
+    H, V = HEADS["qwen2.5-7b"]
+    case = Case("qwen2.5-7b", 8192, 0.0, "full")
+    nv = valid_tokens(8192)
+    assert nv == 8 * (1024 - 102)  # the last 10% (rounded) of each of the 8 rows is masked
+    assert flop_count("fastgrpo", "full", case) == 8 * nv * H * V == flop_count("floor", "full", case)
+    assert flop_count("reference", "full", case) == 6 * 8192 * H * V
+    assert flop_count("floor", "forward", Case("qwen2.5-7b", 8192, None, "forward")) == 2 * nv * H * V
+    assert set(GEMMS) == {"fastgrpo", "reference", "trl", "liger", "floor"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tokens", "5"], "--tokens must be >= 10"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--warmup", "-1"], "--warmup must be >= 0"),
+    (["--beta", "-0.1"], "--beta must be a finite number >= 0"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--heads", "gpt-5"], "invalid choice: 'gpt-5'"),
+    (["--modes", "sideways"], "invalid choice: 'sideways'"),
+])
+def test_bench_loss_rejects_bad_arguments(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--device", "cpu", *args, "--out-dir", str(tmp_path)])
+    assert exit_info.value.code != 0
+    assert message in str(exit_info.value.code) + capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def _installed(package):
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
+
+def test_fastgrpo_bench_without_a_suite_runs_the_loss_suite(monkeypatch):
+    from fastgrpo import cli
+
+    seen = []
+    monkeypatch.setattr(cli.loss, "run", lambda args: seen.append((args.suite, args.quick)))
+    cli.main(["bench", "--quick"])
+    assert seen == [("loss", True)]

@@ -440,3 +440,22 @@ def test_builtin_default_learns(tmp_path):
     summary = Trainer(config).train()
     assert 0.2 < summary["initial_accuracy"] < 0.35
     assert summary["final_accuracy"] > summary["initial_accuracy"] + 0.10, summary
+
+
+def test_parquet_and_single_file_datasets(assets, tmp_path):
+    import datasets
+
+    from fastgrpo.train.data import load_rows
+
+    jsonl = Path(assets["data"])
+    parquet = tmp_path / "train.parquet"
+    datasets.Dataset.from_json(str(jsonl / "train.jsonl")).to_parquet(str(parquet))
+    want = [json.loads(line) for line in (jsonl / "train.jsonl").read_text().splitlines()]
+    config = make_config(assets, tmp_path, dataset_name=str(parquet), dataset_test_split=str(jsonl / "test.jsonl"))
+    assert load_rows(config, "train") == want
+    assert len(load_rows(config, "test")) == 24
+    assert load_rows(make_config(assets, tmp_path, dataset_name=str(parquet), dataset_test_split=None), "test") is None
+    with pytest.raises(FileNotFoundError, match="dataset_test_split: 'test' is not a file"):
+        load_rows(make_config(assets, tmp_path, dataset_name=str(parquet)), "test")
+    with pytest.raises(FileNotFoundError, match="dataset_name: .*missing.jsonl does not exist"):
+        load_rows(make_config(assets, tmp_path, dataset_name=str(tmp_path / "missing.jsonl")), "train")

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             kwargs.update(type=_none_or(kind) if optional else kind, metavar=kind.__name__.upper())
             if f.metadata.get("choices"):
-                kwargs["choices"] = f.metadata["choices"]
+                kwargs.update(choices=f.metadata["choices"], metavar="{" + ",".join(f.metadata["choices"]) + "}")
         parser.add_argument(*names, **kwargs)
 
 

@@ -17,9 +17,23 @@ from torch import nn
 from fastgrpo import chunked, reference
 from fastgrpo.loss_config import CLIP_LOSS_TYPES, LossConfig
 
-__all__ = ["LossConfig", "GRPOLoss", "token_logprobs", "grpo_loss", "fused_grpo_loss", "resolve_backend"]
+__all__ = ["LossConfig", "GRPOLoss", "token_logprobs", "grpo_loss", "fused_grpo_loss", "resolve_backend",
+           "logit_transform"]
 
 BACKENDS = ("auto", "triton", "torch", "reference")
+# Model-config options that transform the logits after the lm_head (softcapping, scales, multipliers). The fused loss
+# scores `hidden @ W.T + b` only, so a model that sets any of them is not supported.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
+                    "output_multiplier_scale", "lm_head_multiplier")
+
+
+def logit_transform(model_config) -> tuple[str, object] | None:
+    """(name, value) of the first LOGIT_TRANSFORMS option the model's (text) config sets, or None."""
+    config = model_config.get_text_config()
+    for name in LOGIT_TRANSFORMS:
+        if getattr(config, name, None) is not None:
+            return name, getattr(config, name)
+    return None
 
 
 def resolve_backend(device: torch.device) -> str:

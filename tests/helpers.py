@@ -1,4 +1,7 @@
-"""Shared test helpers: three-way comparisons with verbose failures, GRPO problem builders, a tokenizer."""
+"""Shared test helpers: three-way comparisons with verbose failures, GRPO problem builders, a tokenizer, tiny model
+configs, a torch thread-count guard."""
+
+from contextlib import contextmanager
 
 import tokenizers
 import torch
@@ -58,3 +61,21 @@ def word_tokenizer(num_words: int) -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     backend.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def tiny_config(cls, vocab_size: int, pad_id: int = 0, eos_id: int = 1):
+    """A 2-layer, hidden-32 config of `cls` (e.g. Qwen2Config) with GQA 2, untied lm_head, eos doubling as bos."""
+    return cls(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=pad_id,
+               bos_token_id=eos_id, eos_token_id=eos_id)
+
+
+@contextmanager
+def torch_threads(num: int):
+    """torch's intra-op thread count set to `num`, restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

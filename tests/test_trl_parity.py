@@ -20,7 +20,7 @@ pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 import torch  # noqa: E402
-from helpers import word_tokenizer  # noqa: E402
+from helpers import tiny_config, torch_threads, word_tokenizer  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -92,10 +92,8 @@ def _record(backend, what, a, b):
 def _one_thread_and_max_diffs():
     # The tensors here are tiny: intra-op threads only add OpenMP spin-waits, which made this module ~7x slower on a
     # 2-core machine with one other busy process.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
     if _MAX_DIFF:
         print("\nTRL parity, max |fastgrpo - TRL| (grad_rel: / max|grad|; loss/tol: / tolerance):")
         for (backend, what), value in sorted(_MAX_DIFF.items()):
@@ -108,13 +106,8 @@ def workdir(tmp_path_factory):
     path = tmp_path_factory.mktemp("trl_parity")
     tokenizer = word_tokenizer(VOCAB_WORDS)
     tokenizer.save_pretrained(path)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=PAD_ID,
-        bos_token_id=EOS_ID, eos_token_id=EOS_ID,
-    )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).float()
+    model = Qwen2ForCausalLM(tiny_config(Qwen2Config, len(tokenizer), PAD_ID, EOS_ID)).float()
     with torch.no_grad():  # a non-trivial head: random init std 0.02 makes every distribution almost uniform
         model.lm_head.weight.normal_(0.0, 0.5)
     model.save_pretrained(path)

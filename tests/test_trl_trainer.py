@@ -30,7 +30,7 @@ pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 import torch  # noqa: E402
-from helpers import word_tokenizer  # noqa: E402
+from helpers import tiny_config, torch_threads, word_tokenizer  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -114,20 +114,12 @@ def _tolerance_used(got, want):
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread_and_max_diffs():
     # Tiny tensors: intra-op threads only add OpenMP spin-waits on a 2-core machine shared with other processes.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
     if _MAX_DIFF:
         print("\nFastGRPOTrainer vs GRPOTrainer, max differences:")
         for what, value in sorted(_MAX_DIFF.items()):
             print(f"  {what:<14} {value:.3e}")
-
-
-def _tiny_config(cls, vocab_size):
-    return cls(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=PAD_ID,
-               bos_token_id=EOS_ID, eos_token_id=EOS_ID)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +129,7 @@ def workdir(tmp_path_factory):
     tokenizer = word_tokenizer(VOCAB_WORDS)
     tokenizer.save_pretrained(path)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(_tiny_config(Qwen2Config, len(tokenizer)))
+    model = Qwen2ForCausalLM(tiny_config(Qwen2Config, len(tokenizer)))
     with torch.no_grad():  # a non-trivial head: random init std 0.02 makes every distribution almost uniform
         model.lm_head.weight.normal_(0.0, 0.5)
     model.save_pretrained(path)
@@ -446,7 +438,7 @@ def test_hidden_states_are_final_norm_outputs(workdir, arch):
     path, tokenizer = workdir
     cls, config = (Qwen2ForCausalLM, Qwen2Config) if arch == "qwen2" else (LlamaForCausalLM, LlamaConfig)
     torch.manual_seed(0)
-    model = cls(_tiny_config(config, len(tokenizer)))
+    model = cls(tiny_config(config, len(tokenizer)))
     trainer = _train(path, tokenizer, FastGRPOTrainer, model=model, train=False)
     ids = torch.randint(3, len(tokenizer), (3, 9))
     mask = torch.ones_like(ids)
@@ -467,7 +459,7 @@ def test_hidden_states_are_final_norm_outputs(workdir, arch):
 def _moe_model(vocab_size):
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    config = _tiny_config(Qwen2MoeConfig, vocab_size)
+    config = tiny_config(Qwen2MoeConfig, vocab_size)
     config.update(dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
                        shared_expert_intermediate_size=16))
     return Qwen2MoeForCausalLM(config)

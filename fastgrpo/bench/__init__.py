@@ -1,13 +1,19 @@
-"""Benchmark harness shared by the suites: environment record, peak memory, result files.
+"""Benchmark harness shared by the suites: environment record, peak memory, timing, one process per method, result
+files.
 
 Every row a suite writes carries the device, library versions and date, so a results file stands on its own.
 """
 
+import argparse
 import datetime
 import json
 import os
 import platform
 import re
+import statistics
+import subprocess
+import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -85,6 +91,57 @@ class PeakMemory:
         base = reset_peak_memory(self.device)
         yield self
         self.peak_bytes = peak_memory(self.device) - base
+
+
+def time_call(fn, device: torch.device, *, repeats: int, warmup: int, setup=None, warmup_peaks: bool = False):
+    """(median seconds of `repeats` runs after `warmup` runs, peak bytes, last result) of `fn(setup())`.
+
+    Only `fn` is timed (CUDA events on a GPU, perf_counter on a CPU); the peak is the growth above the level after
+    `setup`, the maximum over the timed runs (and the warm-up runs with `warmup_peaks`: on a CPU the allocator keeps
+    some freed pages resident, so later runs can grow the resident set less than the work needs)."""
+    seconds, peaks, result = [], [], None
+    for i in range(warmup + repeats):
+        result = None  # free the previous run's outputs before the next setup
+        state = setup() if setup is not None else None
+        with PeakMemory(device).measure() as memory:
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                result = fn(state)
+                end.record()
+                end.synchronize()
+                elapsed = start.elapsed_time(end) / 1e3
+            else:
+                begin = time.perf_counter()
+                result = fn(state)
+                elapsed = time.perf_counter() - begin
+        if i >= warmup:
+            seconds.append(elapsed)
+        if i >= warmup or warmup_peaks:
+            peaks.append(memory.peak_bytes)
+    return statistics.median(seconds), max(peaks), result
+
+
+def run_in_child(module: str, method: str, payload: str, env: dict | None = None) -> tuple[object, str | None]:
+    """`python -m <module> --one <method> <payload>` in a fresh process, so that no method sees another's caches,
+    compiled kernels or memory peaks: (its last stdout line as JSON, None), or (None, its last stderr line)."""
+    out = subprocess.run([sys.executable, "-m", module, "--one", method, payload], capture_output=True, text=True,
+                         env=env)
+    if out.returncode != 0:
+        return None, (out.stderr.strip().splitlines() or ["no output"])[-1]
+    return json.loads(out.stdout.strip().splitlines()[-1]), None
+
+
+def suite_main(argv: list[str] | None, doc: str, add_arguments, run, one) -> None:
+    """A suite's entry point: `--one METHOD PAYLOAD` is the child of `run_in_child` and prints `one(method, payload)`
+    as JSON; anything else is the suite's own command line."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--one"]:
+        print(json.dumps(one(argv[1], argv[2])))
+        return
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
 
 
 def results_stem(suite: str, env: dict) -> str:

@@ -39,17 +39,13 @@ import argparse
 import json
 import math
 import os
-import statistics
-import subprocess
-import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 import fastgrpo
-from fastgrpo.bench import PeakMemory, environment, markdown_table, results_stem, write_results
+from fastgrpo.bench import environment, markdown_table, results_stem, run_in_child, suite_main, time_call, write_results
 from fastgrpo.bench.sampling import DTYPES
 
 HEADS = {  # name: (hidden size H, vocab size V)
@@ -228,36 +224,6 @@ def _floor_backward(inp):
     return z @ w, z.T @ x
 
 
-# -- timing ---------------------------------------------------------------------------------------------------------
-
-
-def time_call(fn, device: torch.device, *, repeats: int, warmup: int, setup=None):
-    """(median seconds of `repeats` runs after `warmup` runs, peak bytes, last result) of `fn(setup())`.
-
-    Only `fn` is timed (CUDA events on a GPU, perf_counter on a CPU); the peak is the growth above the level after
-    `setup`, the maximum over the timed runs."""
-    seconds, peaks, result = [], [], None
-    for i in range(warmup + repeats):
-        result = None  # free the previous run's outputs before the next setup
-        state = setup() if setup is not None else None
-        with PeakMemory(device).measure() as memory:
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                result = fn(state)
-                end.record()
-                end.synchronize()
-                elapsed = start.elapsed_time(end) / 1e3
-            else:
-                begin = time.perf_counter()
-                result = fn(state)
-                elapsed = time.perf_counter() - begin
-        if i >= warmup:
-            seconds.append(elapsed)
-            peaks.append(memory.peak_bytes)
-    return statistics.median(seconds), max(peaks), result
-
-
 def measure_case(method: str, case: Case, settings: Settings) -> dict:
     """One row: the method's time, peak memory and outputs on the case."""
     device = torch.device(settings.device)
@@ -338,12 +304,10 @@ def run_isolated(method: str, cases: list[Case], settings: Settings) -> list[dic
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # freed tensors leave the resident set
         env.setdefault("OMP_NUM_THREADS", str(settings.threads))
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # no spin-waits on a CPU shared with other work
-    out = subprocess.run([sys.executable, "-m", "fastgrpo.bench.loss", "--one", method, payload],
-                         capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        error = (out.stderr.strip().splitlines() or ["no output"])[-1]
+    rows, error = run_in_child("fastgrpo.bench.loss", method, payload, env)
+    if error is not None:
         return [{"method": method, **asdict(c), "dtype": settings.dtype, "error": error} for c in cases]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return rows
 
 
 # -- the suite ------------------------------------------------------------------------------------------------------
@@ -509,16 +473,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def _measure_payload(method: str, payload: str) -> list[dict]:
+    values = json.loads(payload)
+    return measure_all(method, [Case(**case) for case in values["cases"]], Settings(**values["settings"]))
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--one"]:  # the per-method child process of run_isolated
-        payload = json.loads(argv[2])
-        cases = [Case(**case) for case in payload["cases"]]
-        print(json.dumps(measure_all(argv[1], cases, Settings(**payload["settings"]))))
-        return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
+    suite_main(argv, __doc__, add_arguments, run, _measure_payload)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,11 @@ tokens/s counts generated tokens over the wall time of the one timed call.
 
 import argparse
 import json
-import subprocess
-import sys
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from fastgrpo.bench import PeakMemory, environment, markdown_table, write_results
+from fastgrpo.bench import environment, markdown_table, run_in_child, suite_main, time_call, write_results
 
 SHAPES = {
     "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
@@ -91,25 +88,17 @@ def measure(method: str, workload: Workload) -> dict:
     warm, _ = _caller(method, model, small)
     warm()
     call, count = _caller(method, model, workload)
-    with PeakMemory(device).measure() as memory:
-        start = time.perf_counter()
-        out = call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - start
+    seconds, peak_bytes, out = time_call(lambda _: call(), device, repeats=1, warmup=0)
     tokens = count(out)
     expected = workload.prompts * workload.group_size * workload.max_new_tokens
     assert tokens == expected, f"{method} generated {tokens} tokens, expected {expected}"
     return {"method": method, **asdict(workload), "generated_tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "peak_memory_bytes": memory.peak_bytes}
+            "tokens_per_s": tokens / seconds, "peak_memory_bytes": peak_bytes}
 
 
 def run_isolated(method: str, workload: Workload) -> dict:
-    cmd = [sys.executable, "-m", "fastgrpo.bench.sampling", "--one", method, json.dumps(asdict(workload))]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        return {"method": method, **asdict(workload), "error": out.stderr.strip().splitlines()[-1]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    row, error = run_in_child("fastgrpo.bench.sampling", method, json.dumps(asdict(workload)))
+    return row if error is None else {"method": method, **asdict(workload), "error": error}
 
 
 def default_workload(device: str, quick: bool) -> dict:
@@ -172,13 +161,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--one"]:  # the per-method child process of run_isolated
-        print(json.dumps(measure(argv[1], Workload(**json.loads(argv[2])))))
-        return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
+    suite_main(argv, __doc__, add_arguments, run,
+               lambda method, payload: measure(method, Workload(**json.loads(payload))))
 
 
 if __name__ == "__main__":

@@ -18,16 +18,12 @@ allocator peak; CPU: resident-set peak). Each method runs in its own process, so
 
 import argparse
 import json
-import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from fastgrpo.bench import PeakMemory, environment, markdown_table, write_results
+from fastgrpo.bench import environment, markdown_table, run_in_child, suite_main, time_call, write_results
 from fastgrpo.bench.sampling import DTYPES, SHAPES
 
 METHODS = ("trl", "fastgrpo")
@@ -100,23 +96,6 @@ def make_inputs(workload: Workload, vocab_size: int) -> dict:
     return {k: v.to(workload.device) for k, v in inputs.items()}
 
 
-def _timed(fn, device, repeats):
-    """(median seconds over `repeats` calls after a warm-up call, max peak bytes over all calls, last result).
-
-    The warm-up call's peak counts: on a CPU, the allocator keeps some freed pages resident, so later calls can
-    grow the resident set less than the work needs."""
-    seconds, peaks = [], []
-    for _ in range(1 + repeats):
-        with PeakMemory(device).measure() as memory:
-            start = time.perf_counter()
-            result = fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds.append(time.perf_counter() - start)
-        peaks.append(memory.peak_bytes)
-    return statistics.median(seconds[1:]), max(peaks), result
-
-
 def measure(method: str, workload: Workload) -> dict:
     """Run in this process: build the trainer, then time the logprob pass and the loss step."""
     device = torch.device(workload.device)
@@ -141,8 +120,10 @@ def measure(method: str, workload: Workload) -> dict:
             trainer.accelerator.backward(loss)
             return loss.detach()
 
-        logprobs_s, logprobs_peak, logps = _timed(logprobs, device, workload.repeats)
-        step_s, step_peak, loss = _timed(step, device, workload.repeats)
+        # One untimed warm-up run; its peak counts too (see time_call).
+        timing = dict(repeats=workload.repeats, warmup=1, warmup_peaks=True)
+        logprobs_s, logprobs_peak, logps = time_call(lambda _: logprobs(), device, **timing)
+        step_s, step_peak, loss = time_call(lambda _: step(), device, **timing)
     import trl
 
     from fastgrpo.loss import resolve_backend
@@ -157,11 +138,8 @@ def measure(method: str, workload: Workload) -> dict:
 
 
 def run_isolated(method: str, workload: Workload) -> dict:
-    cmd = [sys.executable, "-m", "fastgrpo.bench.trl_step", "--one", method, json.dumps(asdict(workload))]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        return {"method": method, **asdict(workload), "error": out.stderr.strip().splitlines()[-1]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    row, error = run_in_child("fastgrpo.bench.trl_step", method, json.dumps(asdict(workload)))
+    return row if error is None else {"method": method, **asdict(workload), "error": error}
 
 
 def default_workload(device: str, quick: bool) -> dict:
@@ -238,13 +216,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--one"]:  # the per-method child process of run_isolated
-        print(json.dumps(measure(argv[1], Workload(**json.loads(argv[2])))))
-        return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
+    suite_main(argv, __doc__, add_arguments, run,
+               lambda method, payload: measure(method, Workload(**json.loads(payload))))
 
 
 if __name__ == "__main__":

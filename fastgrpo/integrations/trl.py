@@ -26,7 +26,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from fastgrpo.loss import fused_grpo_loss, grpo_loss, token_logprobs
+from fastgrpo.loss import LOGIT_TRANSFORMS, fused_grpo_loss, grpo_loss, logit_transform, token_logprobs
 from fastgrpo.loss_config import LOSS_TYPES, LossConfig
 
 # trl versions whose GRPOTrainer internals this module was written against and tested with (1.16.0).
@@ -64,12 +64,11 @@ UNSUPPORTED = {
     "fsdp, DeepSpeed ZeRO-3": "the lm_head weight is read whole, not gathered from shards",
     "vision-language models (a ProcessorMixin processing_class)": "multimodal inputs are not forwarded",
     "PEFT prompt learning (prefix / prompt / p-tuning)": "virtual tokens change the hidden-state positions",
-    "final_logit_softcapping, logit_scale, output_multiplier, lm_head_multiplier, logits_scaling in the model config":
+    ", ".join(LOGIT_TRANSFORMS) + " in the model config":
         "fastgrpo's head computes hidden @ weight.T / temperature, with no logit scaling or softcapping",
     "config.tie_last_hidden_states=False": "hidden_states[-1] would not be the final-norm output",
 }  # fmt: skip
 
-_LOGIT_SCALING = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 # TRL's per-sequence clip extremes: gathered across processes, then nan-reduced (the others are token means).
 _EXTREMES = {"clip_ratio/low_min": nanmin, "clip_ratio/high_max": nanmax}
 
@@ -124,11 +123,11 @@ def _check_model(trainer) -> None:
         raise ValueError("FastGRPOTrainer does not support vision-language models (a ProcessorMixin processing_class)")
     if is_peft_model(model) and any(c.is_prompt_learning for c in model.peft_config.values()):
         raise ValueError("FastGRPOTrainer does not support PEFT prompt learning (prefix / prompt / p-tuning)")
+    transform = logit_transform(model.config)
+    if transform is not None:
+        raise ValueError(f"FastGRPOTrainer does not support models that scale their logits: config.{transform[0]}="
+                         f"{transform[1]}")
     text_config = model.config.get_text_config()
-    for name in _LOGIT_SCALING:
-        if getattr(text_config, name, None) is not None:
-            raise ValueError(f"FastGRPOTrainer does not support models that scale their logits: config.{name}="
-                             f"{getattr(text_config, name)}")
     if getattr(text_config, "tie_last_hidden_states", True) is False:
         raise ValueError("FastGRPOTrainer needs hidden_states[-1] to be the final-norm output: the model config has "
                          "tie_last_hidden_states=False")

@@ -49,7 +49,7 @@ class GenerateStats:
     seconds: float = 0.0
 
 
-def _find_hf_model(model: torch.nn.Module) -> PreTrainedModel:
+def find_hf_model(model: torch.nn.Module) -> PreTrainedModel:
     """The transformers model itself, or the one a wrapper (e.g. a peft model) holds."""
     for module in model.modules():
         if isinstance(module, PreTrainedModel):
@@ -83,7 +83,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.config = EngineConfig(**config)
-        self.hf_model = _find_hf_model(model)
+        self.hf_model = find_hf_model(model)
         text_config = self.hf_model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.num_layers = text_config.num_hidden_layers

@@ -3,11 +3,10 @@
 import argparse
 import dataclasses
 import sys
-import types
 import typing
 from pathlib import Path
 
-from fastgrpo.train.config import DEFAULT_RECIPE, TrainConfig
+from fastgrpo.train.config import DEFAULT_RECIPE, TrainConfig, field_types
 
 DESCRIPTION = """\
 Train a causal LM with GRPO on one device.
@@ -27,13 +26,9 @@ def _none_or(parse):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="YAML file of options (e.g. recipes/gsm8k.yaml)")
-    hints = typing.get_type_hints(TrainConfig)
     defaults = TrainConfig.__dataclass_fields__
     for f in dataclasses.fields(TrainConfig):
-        annotation = hints[f.name]
-        optional = type(None) in typing.get_args(annotation) and typing.get_origin(annotation) in (
-            typing.Union, types.UnionType)
-        kind = next(a for a in typing.get_args(annotation) if a is not type(None)) if optional else annotation
+        kind, optional = field_types()[f.name]
         default = defaults[f.name].default
         if default is dataclasses.MISSING:
             default = defaults[f.name].default_factory()

@@ -7,6 +7,7 @@ difference: a *step* here is one generation round (sample, score, then `num_iter
 """
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -212,36 +213,40 @@ class TrainConfig:
         return cls(**{**values, **overrides})
 
 
-def _members(annotation) -> list:
-    """`X | None` -> [X]; anything else -> [annotation]."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    return args if typing.get_origin(annotation) in (typing.Union, types.UnionType) else [annotation]
+@functools.cache
+def field_types() -> dict[str, tuple[type, bool]]:
+    """Per TrainConfig field: (its type without None, whether None is allowed); `list[str] | None` ->
+    (list[str], True)."""
+    out = {}
+    for name, annotation in typing.get_type_hints(TrainConfig).items():
+        optional = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        (kind,) = [a for a in typing.get_args(annotation) if a is not type(None)] if optional else [annotation]
+        out[name] = kind, optional
+    return out
 
 
 def _check_types(config: TrainConfig) -> None:
-    hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(config):
-        value, annotation = getattr(config, f.name), hints[f.name]
+        value, (kind, optional) = getattr(config, f.name), field_types()[f.name]
         if value is None:
-            if type(None) not in typing.get_args(annotation):
+            if not optional:
                 raise ValueError(f"{f.name} must not be None")
             continue
-        (kind,) = _members(annotation)
         item = typing.get_args(kind)[0] if typing.get_origin(kind) is list else None
         if item is not None:
             ok = isinstance(value, list) and all(_is(x, item) for x in value)
         else:
             ok = _is(value, kind)
         if not ok:
-            raise TypeError(f"{f.name} must be {_describe(annotation)}, got {value!r} ({type(value).__name__})")
+            expected = _describe(kind) + (" | None" if optional else "")
+            raise TypeError(f"{f.name} must be {expected}, got {value!r} ({type(value).__name__})")
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{f.name} must be finite, got {value!r}")
 
 
 def _ints_to_floats(config: TrainConfig) -> None:
-    hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(config):
-        value, (kind,) = getattr(config, f.name), _members(hints[f.name])
+        value, (kind, _) = getattr(config, f.name), field_types()[f.name]
         if kind is float and isinstance(value, int):
             setattr(config, f.name, float(value))
         elif kind == list[float] and value is not None:

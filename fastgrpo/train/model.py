@@ -6,12 +6,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
+from fastgrpo.loss import logit_transform
+from fastgrpo.sampling.engine import find_hf_model
 from fastgrpo.train.config import BUILTIN, TrainConfig
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 PACKED_ATTENTION = ("flash_attention_2", "flash_attention_3")  # varlen kernels: packing costs no extra FLOPs
-# Output transformations the fused loss does not apply: it scores `hidden @ W.T + b` only.
-UNSUPPORTED_HEAD_OPTIONS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
 
 
 def model_path(config: TrainConfig) -> str:
@@ -41,20 +41,11 @@ def load_tokenizer(config: TrainConfig):
     return tokenizer
 
 
-def hf_model(model: torch.nn.Module) -> PreTrainedModel:
-    """The transformers causal LM itself, or the one a peft wrapper holds (its LoRA layers sit inside it)."""
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            return module
-    raise TypeError(f"expected a transformers model, got {type(model).__name__}")
-
-
 def check_head(model: PreTrainedModel) -> None:
-    config = model.config.get_text_config()
-    for name in UNSUPPORTED_HEAD_OPTIONS:
-        if getattr(config, name, None) not in (None, 1, 1.0):
-            raise ValueError(f"model_name_or_path: {type(model).__name__} sets {name}={getattr(config, name)}, a "
-                             "transformation of the logits that fastgrpo's fused loss does not apply")
+    transform = logit_transform(model.config)
+    if transform is not None:
+        raise ValueError(f"model_name_or_path: {type(model).__name__} sets {transform[0]}={transform[1]}, a "
+                         "transformation of the logits that fastgrpo's fused loss does not apply")
     if model.get_output_embeddings() is None:
         raise ValueError(f"model_name_or_path: {type(model).__name__} has no lm_head (output embeddings)")
 
@@ -121,7 +112,7 @@ def completion_hidden(model: torch.nn.Module, sequences: list[list[int]], prompt
     sequences[i] = prompt_i + completion_i. Packed: one row, positions restarting per sequence (flash-attn varlen,
     or transformers' block-diagonal mask elsewhere). Padded: right-padded to the longest sequence.
     """
-    net = hf_model(model)
+    net = find_hf_model(model)
     backbone = getattr(net, net.base_model_prefix)
     device = net.get_input_embeddings().weight.device
     lengths = [len(s) for s in sequences]
@@ -149,5 +140,5 @@ def completion_hidden(model: torch.nn.Module, sequences: list[list[int]], prompt
 
 
 def lm_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    head = hf_model(model).get_output_embeddings()
+    head = find_hf_model(model).get_output_embeddings()
     return head.weight, getattr(head, "bias", None)

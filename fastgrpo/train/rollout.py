@@ -7,13 +7,11 @@ import torch
 
 @dataclass(slots=True)
 class Rollout:
-    """P prompts x G completions, completion-major within a group: sample i belongs to prompt i // G."""
+    """P prompts x G completions, prompt-major: sample i belongs to prompt i // G."""
 
     prompt_ids: list[list[int]]  # [P*G] (each group repeats its prompt)
     completion_ids: list[list[int]]  # [P*G]
     truncated: torch.Tensor  # [P*G] bool: hit max_completion_length without a stop
-    rewards_per_func: torch.Tensor  # [P*G, F]
-    rewards: torch.Tensor  # [P*G] weighted sum
     advantages: torch.Tensor  # [P*G]
     loss_mask: list[list[int]]  # [P*G][T_i]: 1 on tokens that enter the loss
     old_logps: list[torch.Tensor] | None = None  # [P*G][T_i] fp32 (None: on-policy, the current logps)

@@ -28,6 +28,7 @@ from transformers import get_scheduler
 from fastgrpo.bench import peak_memory, reset_peak_memory
 from fastgrpo.loss import LossConfig, fused_grpo_loss, token_logprobs
 from fastgrpo.sampling import Engine, SamplingParams
+from fastgrpo.sampling.engine import find_hf_model
 from fastgrpo.train import checkpoint
 from fastgrpo.train.config import TrainConfig
 from fastgrpo.train.data import PromptOrder, eval_subset, load_rows, prepare
@@ -35,7 +36,6 @@ from fastgrpo.train.logs import PLOT_FILE, MetricsLog, plot
 from fastgrpo.train.model import (
     PACKED_ATTENTION,
     completion_hidden,
-    hf_model,
     lm_head,
     load_policy,
     load_reference,
@@ -71,7 +71,7 @@ class Trainer:
 
         self.model = load_policy(config, self.device, resume_from)
         self.ref_model = load_reference(config, self.device)
-        self.packed = hf_model(self.model).config._attn_implementation in PACKED_ATTENTION
+        self.packed = find_hf_model(self.model).config._attn_implementation in PACKED_ATTENTION
         self.engine = Engine(self.model, tokenizer=self.tokenizer, block_size=config.block_size,
                              memory_fraction=config.sampling_memory_fraction)
         self.stop_token_ids = self._stop_token_ids()
@@ -120,7 +120,7 @@ class Trainer:
         return None
 
     def _stop_token_ids(self) -> tuple[int, ...]:
-        eos = hf_model(self.model).generation_config.eos_token_id
+        eos = find_hf_model(self.model).generation_config.eos_token_id
         ids = set([eos] if isinstance(eos, int) else eos or [])
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
@@ -189,7 +189,7 @@ class Trainer:
         cut = truncated.tolist()
         rollout = Rollout(
             prompt_ids=[self.train_prompts.token_ids[i] for i in samples], completion_ids=completion_ids,
-            truncated=truncated, rewards_per_func=per_func, rewards=rewards, advantages=advantages,
+            truncated=truncated, advantages=advantages,
             loss_mask=[[0 if drop and cut[i] else 1] * len(ids) for i, ids in enumerate(completion_ids)],
         )  # fmt: skip
         timer.lap("rewards")

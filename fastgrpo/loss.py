@@ -6,6 +6,9 @@ Backends (the environment variable FASTGRPO_BACKEND forces one):
   triton     the fused kernels in fastgrpo.kernels (on CPU only under TRITON_INTERPRET=1)
   torch      the chunked PyTorch path (bounded memory) and the reference's elementwise loss math
   reference  fastgrpo.reference: full logits; the yardstick
+
+The Triton kernels live in the repository's top-level `kernels/` folder, one op per file; setuptools installs that
+folder as `fastgrpo.kernels` (pyproject.toml's `package-dir`), so `fastgrpo.kernels.logprob` is `kernels/logprob.py`.
 """
 
 import math
@@ -15,7 +18,7 @@ import torch
 from torch import nn
 
 from fastgrpo import chunked, reference
-from fastgrpo.loss_config import CLIP_LOSS_TYPES, LossConfig
+from fastgrpo.loss_config import CLIP_LOSS_TYPES, TOKEN_NORMALISED_LOSS_TYPES, LossConfig
 
 __all__ = ["LossConfig", "GRPOLoss", "token_logprobs", "grpo_loss", "fused_grpo_loss", "resolve_backend",
            "logit_transform"]
@@ -201,7 +204,7 @@ def _row_weights(mask, config, num_items_in_batch):
         norm = mask.sum().clamp(min=1.0)
     elif t == "dr_grpo":
         norm = torch.tensor(float(B * config.max_completion_length), device=mask.device)
-    elif t in ("dapo", "cispo"):
+    elif t in TOKEN_NORMALISED_LOSS_TYPES:
         items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=mask.device)
         norm = items.float().clamp(min=1.0)
     else:  # luspo

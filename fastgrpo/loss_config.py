@@ -6,6 +6,10 @@ from dataclasses import dataclass
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
 # Loss types that clip the ratio PPO-style and log TRL's clip_ratio/* metrics.
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# Loss types normalised by the token count of the whole batch (`num_items_in_batch`), not per micro-batch.
+TOKEN_NORMALISED_LOSS_TYPES = ("dapo", "cispo")
+# The options named differently in TRL's GRPOConfig (and fastgrpo's TrainConfig): LossConfig field -> TRL name.
+TRL_NAMES = {"epsilon_low": "epsilon"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +32,19 @@ class LossConfig:
     max_completion_length: int = 512
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+
+    @classmethod
+    def from_trl(cls, args) -> "LossConfig":
+        """The loss options of `args`, any object with TRL's `GRPOConfig` names (a `GRPOConfig`, fastgrpo's
+        `TrainConfig`); a None takes the default. An invalid value raises the same error, naming both spellings
+        of a renamed option."""
+        values = {name: getattr(args, TRL_NAMES.get(name, name)) for name in cls.__dataclass_fields__}
+        values = {name: value for name, value in values.items() if value is not None}
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as error:
+            renamed = [f"{ours} is the option {theirs}" for ours, theirs in TRL_NAMES.items() if ours in str(error)]
+            raise type(error)(f"{error} ({', '.join(renamed)})" if renamed else str(error)) from error
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:

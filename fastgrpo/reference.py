@@ -8,7 +8,7 @@ as the `FASTGRPO_BACKEND=reference` backend. It materializes the [..., V] logits
 import torch
 import torch.nn.functional as F
 
-from fastgrpo.loss_config import CLIP_LOSS_TYPES, LossConfig
+from fastgrpo.loss_config import CLIP_LOSS_TYPES, TOKEN_NORMALISED_LOSS_TYPES, LossConfig
 
 
 def token_logprobs(hidden, weight, token_ids, *, bias=None, temperature=1.0, return_entropy=False):
@@ -71,7 +71,7 @@ def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=N
         loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
     elif c.loss_type == "dr_grpo":
         loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * c.max_completion_length)
-    elif c.loss_type in ("cispo", "dapo"):
+    elif c.loss_type in TOKEN_NORMALISED_LOSS_TYPES:
         items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=mask.dtype)
         loss = (per_token_loss * mask).sum() / items.clamp(min=1.0)
     else:  # luspo

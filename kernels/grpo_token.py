@@ -22,10 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-# Loss types as constexpr ints at the launcher boundary.
-LOSS_TYPES = {"grpo": 0, "bnpo": 1, "dr_grpo": 2, "dapo": 3, "luspo": 4, "cispo": 5, "sapo": 6}
-_CISPO = tl.constexpr(5)
-_SAPO = tl.constexpr(6)
+from fastgrpo.loss_config import CLIP_LOSS_TYPES, LOSS_TYPES
+
+# The policy term's formula as a constexpr int at the launcher boundary: the clip family's loss types share one
+# formula (they differ only in the row weights), cispo and sapo have their own.
+_CLIP, _CISPO, _SAPO = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+POLICY_TERM = {**dict.fromkeys(CLIP_LOSS_TYPES, _CLIP.value), "cispo": _CISPO.value, "sapo": _SAPO.value}
+assert POLICY_TERM.keys() == set(LOSS_TYPES), "every loss type needs a policy term"
 # Per-row outputs, in this order: weighted loss, sum m*kl, sum m*low, sum m*high, sum m*region (cispo: clipped).
 NUM_ROW_STATS = 5
 # A row is streamed in chunks of at most MAX_BLOCK_T tokens: 1024 with 4 warps spills 4 B on sm_80, 512 does not.
@@ -37,7 +40,7 @@ def _grpo_token_kernel(
     Logp, Old, Ref, Adv, Mask, RowW,  # [B, T] fp32 (Adv [B] or [B, T]), RowW [B]
     DLogp, RowStats,  # DLogp [B, T] fp32: d loss / d logp;  RowStats [NUM_ROW_STATS, B]
     B, T, eps_low, eps_high, delta, beta, tau_pos, tau_neg,
-    LOSS_TYPE: tl.constexpr, SEQUENCE_LEVEL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr,
+    POLICY_TERM: tl.constexpr, SEQUENCE_LEVEL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_KL: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr, HAS_DELTA: tl.constexpr, ADV_PER_TOKEN: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -93,14 +96,14 @@ def _grpo_token_kernel(
             log_w = tl.zeros((BLOCK_T,), dtype=tl.float32)
         c1 = tl.exp(log_w)
 
-        if LOSS_TYPE == _CISPO:
+        if POLICY_TERM == _CISPO:
             c_cap = tl.minimum(c1, eps_high)
             per_token = -c_cap * adv * logp
             d_direct = -c_cap * adv
             d_c1 = tl.zeros((BLOCK_T,), dtype=tl.float32)
             clipped = (c1 > eps_high) & (adv > 0.0)
             low_sum += tl.sum(tl.where(valid & clipped, m, 0.0))
-        elif LOSS_TYPE == _SAPO:
+        elif POLICY_TERM == _SAPO:
             tau = tl.where(adv > 0.0, tau_pos, tau_neg)
             gate = tl.sigmoid(tau * (c1 - 1.0))
             per_token = -gate * 4.0 / tau * adv
@@ -181,7 +184,7 @@ def grpo_token_forward(logps, old_logps, ref_logps, advantages, mask, row_weight
         logps, old_logps, ref_logps, advantages, mask, row_weights, d_logps, row_stats,
         B, T, opts.epsilon_low, opts.epsilon_high, 0.0 if opts.delta is None else opts.delta, opts.beta,
         opts.sapo_temperature_pos, opts.sapo_temperature_neg,
-        LOSS_TYPE=LOSS_TYPES[opts.loss_type], SEQUENCE_LEVEL=opts.importance_sampling_level == "sequence",
+        POLICY_TERM=POLICY_TERM[opts.loss_type], SEQUENCE_LEVEL=opts.importance_sampling_level == "sequence",
         HAS_OLD=old_logps is not None, HAS_KL=opts.beta != 0.0, BIAS_CORRECTION=opts.use_bias_correction_kl,
         HAS_DELTA=opts.delta is not None, ADV_PER_TOKEN=advantages.dim() == 2,
         BLOCK_T=min(MAX_BLOCK_T, triton.next_power_of_2(max(T, 16))), num_warps=NUM_WARPS,

@@ -106,7 +106,7 @@ def grpo(_dt, sequence=True):
     sig = {k: "*fp32" for k in ("Logp", "Old", "Ref", "Adv", "Mask", "RowW", "DLogp", "RowStats")}
     sig.update(B="i32", T="i32", **{k: "fp32" for k in ("eps_low", "eps_high", "delta", "beta", "tau_pos",
                                                          "tau_neg")})
-    consts = dict(LOSS_TYPE=grpo_token.LOSS_TYPES["dapo"], SEQUENCE_LEVEL=sequence, HAS_OLD=True, HAS_KL=True,
+    consts = dict(POLICY_TERM=grpo_token.POLICY_TERM["dapo"], SEQUENCE_LEVEL=sequence, HAS_OLD=True, HAS_KL=True,
                   BIAS_CORRECTION=True, HAS_DELTA=True, ADV_PER_TOKEN=False, BLOCK_T=grpo_token.MAX_BLOCK_T)
     return grpo_token._grpo_token_kernel, sig, consts, grpo_token.NUM_WARPS, 1
 

@@ -309,6 +309,28 @@ def test_failed_cuda_graph_capture_falls_back_to_eager(monkeypatch):
     assert got == want and len(calls) == 1
 
 
+def test_paged_batch_is_built_complete():
+    """An eager step's batch from host lists (a long prefill chunk, a decode, a short prefill): cumulative starts,
+    and for triton the tiles planned at construction; the batch cannot be changed afterwards."""
+    import dataclasses
+
+    from fastgrpo.kernels.paged_attention import tiles_for
+    from fastgrpo.sampling.attention import build_paged_batch
+
+    kv_cache = torch.zeros(1, 2, 6, 4, 2, 8)  # [layers, 2, blocks, block_size, Hkv, D]
+    host = (list(range(15)), [[0, 1, 2], [3, 4, 0], [5, 0, 0]], [9, 1, 5], [9, 6, 7])  # slots, tables, q, context
+    batch = build_paged_batch(kv_cache, *host, "triton", group=2)
+    assert batch.query_starts.tolist() == [0, 9, 10, 15] and batch.context_starts.tolist() == [0, 9, 15, 22]
+    assert (batch.max_query_len, batch.max_context_len) == (9, 9)
+    assert batch.tiles == tiles_for(2, 9, torch.float32) and batch.tiles.block_m // 2 == 8  # 8 tokens a tile
+    assert batch.tile_seqs.tolist() == [0, 0, 1, 2] and batch.tile_starts.tolist() == [0, 8, 0, 0]
+    assert batch.tile_seqs.dtype == batch.tile_starts.dtype == batch.block_tables.dtype == torch.int32
+    plain = build_paged_batch(kv_cache, *host, "torch", group=2)
+    assert plain.tiles is plain.tile_seqs is plain.tile_starts is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        batch.tiles = None
+
+
 def test_lora_model_samples_with_its_adapters():
     peft = pytest.importorskip("peft")
     base = tiny("qwen2")

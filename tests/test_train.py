@@ -7,6 +7,8 @@ built in a temporary folder; runs are a few steps of 16 completions, fp32 on the
 import json
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -355,14 +357,34 @@ def test_mask_truncated_completions_leaves_them_out(assets, tmp_path, monkeypatc
         assert mask == [0 if cut else 1] * len(ids)
 
 
-def test_liger_without_liger_kernel_is_a_clear_error(assets, tmp_path):
-    try:
-        import liger_kernel  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match="use_liger_kernel needs liger-kernel"):
-            Trainer(make_config(assets, tmp_path, use_liger_kernel=True))
-    else:
-        pytest.skip("liger-kernel is installed")
+def test_liger_without_liger_kernel_is_a_clear_error(assets, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)  # as if not installed
+    with pytest.raises(ImportError, match="use_liger_kernel needs liger-kernel"):
+        Trainer(make_config(assets, tmp_path, use_liger_kernel=True))
+
+
+LIGER_CHECK = """
+import sys
+from fastgrpo.train import TrainConfig, Trainer
+config = TrainConfig(model_name_or_path="builtin", dataset_name="builtin", use_liger_kernel=True, beta=0.04,
+                     output_dir=sys.argv[1], max_steps=1)
+trainer = Trainer(config, device="cpu")
+for model in (trainer.model, trainer.ref_model):
+    print(sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith("liger_kernel")}))
+print(hasattr(trainer.model.config, "rope"), trainer.model.lm_head.__class__.__name__)
+"""
+
+
+def test_liger_swaps_layers_through_its_public_loader(tmp_path):
+    """Liger patches transformers' classes process-wide, hence a child process. Its kernels need CUDA: this checks
+    which modules are swapped (policy and reference), not their numerics."""
+    pytest.importorskip("liger_kernel")
+    done = subprocess.run([sys.executable, "-c", LIGER_CHECK, str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    policy, reference, rest = done.stdout.strip().splitlines()[-3:]
+    assert policy == reference == "['LigerRMSNorm', 'LigerSwiGLUMLP']"
+    assert rest == "False Linear"  # no liger kwarg leaked into the model config; fastgrpo's head stays plain
 
 
 def test_cli_runs_and_resumes(assets, tmp_path, capsys):

@@ -34,7 +34,7 @@ from helpers import tiny_config, torch_threads, word_tokenizer  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from fastgrpo.integrations.trl import FastGRPOTrainer, check_trl_version  # noqa: E402
+from fastgrpo.integrations.trl import REFUSALS, FastGRPOTrainer, check_trl_version  # noqa: E402
 from fastgrpo.loss_config import CLIP_LOSS_TYPES, LOSS_TYPES  # noqa: E402
 
 # Both trainers run in fp32 on the same completions; they differ only in how the logprobs and the loss are summed
@@ -481,27 +481,33 @@ def _processor():
     return Processor(tokenizer=word_tokenizer(VOCAB_WORDS))
 
 
+# (constructor options, text the error must hold, the REFUSALS entry it hits or None for a GRPOConfig check)
 UNSUPPORTED = [
-    pytest.param(dict(loss_type="vespo"), "loss_type='vespo'", id="vespo"),
-    pytest.param(dict(entropy_coef=0.01), "entropy_coef=0.01", id="entropy_coef"),
-    pytest.param(dict(use_adaptive_entropy=True), "use_adaptive_entropy=True", id="adaptive_entropy"),
-    pytest.param(dict(use_vllm=True), "vllm_importance_sampling_correction=True", id="vllm_is_correction"),
-    pytest.param(dict(epsilon=-0.1), "epsilon_low must be a finite number >= 0", id="bad_epsilon"),
-    pytest.param(dict(loss_type="dr_grpo", max_completion_length=None), "needs max_completion_length", id="dr_grpo"),
-    pytest.param(dict(fsdp=True), "fsdp", id="fsdp"),
-    pytest.param(dict(peft_config=_prompt_tuning), "PEFT prompt learning", id="prompt_tuning"),
-    pytest.param(dict(processing_class=_processor), "vision-language models", id="vlm"),
-    pytest.param(dict(model=_moe_model, router_aux_loss_coef=0.01), "router_aux_loss_coef=0.01", id="moe_aux_loss"),
+    pytest.param(dict(loss_type="vespo"), "loss_type='vespo'", None, id="vespo"),
+    pytest.param(dict(entropy_coef=0.01), "entropy_coef=0.01", "entropy_coef", id="entropy_coef"),
+    pytest.param(dict(use_adaptive_entropy=True), "use_adaptive_entropy=True", "entropy_coef", id="adaptive_entropy"),
+    pytest.param(dict(use_vllm=True), "vllm_importance_sampling_correction=True",
+                 "vllm_importance_sampling_correction", id="vllm_is_correction"),
+    pytest.param(dict(epsilon=-0.1), "epsilon_low must be a finite number >= 0", None, id="bad_epsilon"),
+    pytest.param(dict(loss_type="dr_grpo", max_completion_length=None), "needs max_completion_length", None,
+                 id="dr_grpo"),
+    pytest.param(dict(fsdp=True), "fsdp", "fsdp", id="fsdp"),
+    pytest.param(dict(peft_config=_prompt_tuning), "PEFT prompt learning", "peft_prompt_learning",
+                 id="prompt_tuning"),
+    pytest.param(dict(processing_class=_processor), "vision-language models", "vision_language", id="vlm"),
+    pytest.param(dict(model=_moe_model, router_aux_loss_coef=0.01), "router_aux_loss_coef=0.01",
+                 "router_aux_loss_coef", id="moe_aux_loss"),
     pytest.param(dict(model_config={"final_logit_softcapping": 30.0}), "config.final_logit_softcapping=30.0",
-                 id="softcapping"),
-    pytest.param(dict(model_config={"logit_scale": 0.5}), "config.logit_scale=0.5", id="logit_scale"),
+                 "logit_transform", id="softcapping"),
+    pytest.param(dict(model_config={"logit_scale": 0.5}), "config.logit_scale=0.5", "logit_transform",
+                 id="logit_scale"),
     pytest.param(dict(model_config={"tie_last_hidden_states": False}), "tie_last_hidden_states=False",
-                 id="untied_last_hidden_state"),
+                 "tie_last_hidden_states", id="untied_last_hidden_state"),
 ]
 
 
-@pytest.mark.parametrize(("options", "message"), UNSUPPORTED)
-def test_unsupported_options_raise_at_construction(workdir, options, message):
+@pytest.mark.parametrize(("options", "message", "refusal"), UNSUPPORTED)
+def test_unsupported_options_raise_at_construction(workdir, options, message, refusal):
     path, tokenizer = workdir
     options = dict(options)
     load = lambda vocab_size: Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -514,6 +520,12 @@ def test_unsupported_options_raise_at_construction(workdir, options, message):
     with pytest.raises(ValueError, match="FastGRPOTrainer") as error:
         _train(path, tokenizer, FastGRPOTrainer, model=model, train=False, **options)
     assert message in str(error.value)
+    if refusal is not None:
+        assert REFUSALS[refusal].reason in str(error.value)
+
+
+def test_every_refusal_is_tested():
+    assert {case.values[2] for case in UNSUPPORTED} - {None} == set(REFUSALS)
 
 
 def test_trl_version_check():

@@ -17,17 +17,19 @@ cast_lm_head_to_fp32; without it TRL's head runs under the trainer's autocast, e
 bf16=True, where fastgrpo's fp32 head is the more precise of the two).
 
 Exact equivalent: `trl.GRPOTrainer._compute_loss` (tested in fp32 to 1e-5, tests/test_trl_trainer.py). Options
-fastgrpo cannot reproduce exactly raise a `ValueError` naming the option when the trainer is built (`UNSUPPORTED`).
+fastgrpo cannot reproduce exactly raise a `ValueError` naming the option when the trainer is built (`REFUSALS`).
 """
 
 import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from fastgrpo.loss import LOGIT_TRANSFORMS, fused_grpo_loss, grpo_loss, logit_transform, token_logprobs
-from fastgrpo.loss_config import LOSS_TYPES, LossConfig
+from fastgrpo.loss_config import LOSS_TYPES, TOKEN_NORMALISED_LOSS_TYPES, LossConfig
 
 # trl versions whose GRPOTrainer internals this module was written against and tested with (1.16.0).
 SUPPORTED_TRL = ">=1.16.0,<1.17"
@@ -53,84 +55,105 @@ from transformers import ProcessorMixin  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import nanmax, nanmin  # noqa: E402
 
-__all__ = ["FastGRPOTrainer", "SUPPORTED_TRL", "UNSUPPORTED", "check_trl_version"]
+__all__ = ["FastGRPOTrainer", "REFUSALS", "SUPPORTED_TRL", "check_trl_version"]
 
-# What raises at construction, and why.
-UNSUPPORTED = {
-    "loss_type='vespo'": "not among fastgrpo's loss types " + str(LOSS_TYPES),
-    "use_vllm=True with vllm_importance_sampling_correction=True": "the vLLM importance-sampling ratio is not applied",
-    "entropy_coef != 0, use_adaptive_entropy=True": "the entropy bonus needs a gradient through the entropy",
-    "router_aux_loss_coef != 0 on a MoE model": "the MoE load-balancing loss is not added",
-    "fsdp, DeepSpeed ZeRO-3": "the lm_head weight is read whole, not gathered from shards",
-    "vision-language models (a ProcessorMixin processing_class)": "multimodal inputs are not forwarded",
-    "PEFT prompt learning (prefix / prompt / p-tuning)": "virtual tokens change the hidden-state positions",
-    ", ".join(LOGIT_TRANSFORMS) + " in the model config":
-        "fastgrpo's head computes hidden @ weight.T / temperature, with no logit scaling or softcapping",
-    "config.tie_last_hidden_states=False": "hidden_states[-1] would not be the final-norm output",
+
+def _entropy_bonus(args, *_):
+    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+        return f"entropy_coef={args.entropy_coef}, use_adaptive_entropy={args.use_adaptive_entropy}"
+    return None
+
+
+def _sharded(args=None, *_, trainer=None):
+    if trainer is not None:
+        zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
+        return "fsdp" if trainer.is_fsdp_enabled else "DeepSpeed ZeRO-3" if zero3 else None
+    zero3 = args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3
+    return f"fsdp={args.fsdp!r}" if args.fsdp else "DeepSpeed ZeRO-3" if zero3 else None
+
+
+def _prompt_learning(args=None, peft_config=None, processing_class=None, *, trainer=None):
+    if trainer is None:
+        configs = [] if peft_config is None else [peft_config]
+    else:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        configs = list(model.peft_config.values()) if is_peft_model(model) else []
+    learning = [type(c).__name__ for c in configs if c.is_prompt_learning]
+    return f"PEFT prompt learning ({', '.join(learning)})" if learning else None
+
+
+def _vision(args=None, peft_config=None, processing_class=None, *, trainer=None):
+    vlm = trainer._is_vlm if trainer is not None else isinstance(processing_class, ProcessorMixin)
+    return "vision-language models (a ProcessorMixin processing_class)" if vlm else None
+
+
+def _logit_transform(*_, trainer):
+    transform = logit_transform(trainer.accelerator.unwrap_model(trainer.model).config)
+    return None if transform is None else f"config.{transform[0]}={transform[1]}"
+
+
+def _untied_last_hidden_state(*_, trainer):
+    text_config = trainer.accelerator.unwrap_model(trainer.model).config.get_text_config()
+    return "tie_last_hidden_states=False" if getattr(text_config, "tie_last_hidden_states", True) is False else None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An option fastgrpo cannot reproduce exactly. `found` returns the offending setting (or None) from the
+    constructor's arguments `(args, peft_config, processing_class)`, before TRL builds anything, or from the built
+    `trainer=`; `stages` says which of the two it reads ("args", "trainer")."""
+
+    reason: str
+    found: Callable[..., str | None]
+    stages: tuple[str, ...]
+
+
+# What FastGRPOTrainer refuses, and why: read by the checks below and by the tests.
+REFUSALS = {
+    "vllm_importance_sampling_correction": Refusal(
+        "fastgrpo does not apply the vLLM importance-sampling ratio; set vllm_importance_sampling_correction=False",
+        lambda args, *_: ("use_vllm=True with vllm_importance_sampling_correction=True"
+                          if args.use_vllm and args.vllm_importance_sampling_correction else None), ("args",)),
+    "entropy_coef": Refusal("the entropy bonus needs a gradient through the entropy; set entropy_coef=0.0 and "
+                            "use_adaptive_entropy=False", _entropy_bonus, ("args",)),
+    "fsdp": Refusal("the lm_head weight is read whole, not gathered from shards", _sharded, ("args", "trainer")),
+    "peft_prompt_learning": Refusal("virtual tokens change the hidden-state positions", _prompt_learning,
+                                    ("args", "trainer")),
+    "vision_language": Refusal("multimodal inputs are not forwarded", _vision, ("args", "trainer")),
+    "router_aux_loss_coef": Refusal(
+        "the MoE load-balancing loss is not added; set router_aux_loss_coef=0.0",
+        lambda *_, trainer: f"router_aux_loss_coef={trainer.router_aux_loss_coef}" if trainer.aux_loss_enabled
+        else None, ("trainer",)),
+    "logit_transform": Refusal(
+        "fastgrpo's head computes hidden @ weight.T / temperature, with no logit scaling or softcapping (it refuses "
+        + ", ".join(LOGIT_TRANSFORMS) + ")", _logit_transform, ("trainer",)),
+    "tie_last_hidden_states": Refusal("hidden_states[-1] would not be the final-norm output",
+                                      _untied_last_hidden_state, ("trainer",)),
 }  # fmt: skip
+
+
+def _refuse(stage: str, *args, **trainer) -> None:
+    """ValueError naming the first refused setting that `stage` ("args" or "trainer") can see."""
+    for refusal in REFUSALS.values():
+        found = refusal.found(*args, **trainer) if stage in refusal.stages else None
+        if found is not None:
+            raise ValueError(f"FastGRPOTrainer does not support {found}: {refusal.reason}")
+
 
 # TRL's per-sequence clip extremes: gathered across processes, then nan-reduced (the others are token means).
 _EXTREMES = {"clip_ratio/low_min": nanmin, "clip_ratio/high_max": nanmax}
 
 
 def _loss_config(args) -> LossConfig:
-    """TRL's GRPOConfig as fastgrpo's LossConfig (TRL's `epsilon` is `epsilon_low`)."""
+    """TRL's GRPOConfig as fastgrpo's LossConfig."""
     if args.loss_type not in LOSS_TYPES:
         raise ValueError(f"FastGRPOTrainer does not support loss_type={args.loss_type!r}: supported are {LOSS_TYPES}")
     if args.max_completion_length is None and args.loss_type == "dr_grpo":
         raise ValueError("FastGRPOTrainer: loss_type='dr_grpo' needs max_completion_length (its normaliser), got None")
-    length = {} if args.max_completion_length is None else {"max_completion_length": args.max_completion_length}
     try:
-        return LossConfig(
-            loss_type=args.loss_type, epsilon_low=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta,
-            beta=args.beta, temperature=args.temperature, importance_sampling_level=args.importance_sampling_level,
-            use_bias_correction_kl=args.use_bias_correction_kl, sapo_temperature_pos=args.sapo_temperature_pos,
-            sapo_temperature_neg=args.sapo_temperature_neg, **length,
-        )
+        return LossConfig.from_trl(args)
     except (TypeError, ValueError) as error:
-        message = f"FastGRPOTrainer cannot use this GRPOConfig: {error} (epsilon_low is TRL's epsilon)"
-        raise ValueError(message) from error
-
-
-def _check_options(args, peft_config, processing_class) -> None:
-    """ValueError naming the first option in UNSUPPORTED that is set; run before TRL builds anything."""
-    if args.use_vllm and args.vllm_importance_sampling_correction:
-        raise ValueError("FastGRPOTrainer does not support vllm_importance_sampling_correction=True with "
-                         "use_vllm=True: set vllm_importance_sampling_correction=False")
-    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
-        raise ValueError(f"FastGRPOTrainer does not support the entropy bonus: entropy_coef={args.entropy_coef}, "
-                         f"use_adaptive_entropy={args.use_adaptive_entropy}; set entropy_coef=0.0 and "
-                         "use_adaptive_entropy=False")
-    if args.fsdp or (args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3):
-        raise ValueError("FastGRPOTrainer does not support fsdp or DeepSpeed ZeRO-3 (a sharded lm_head weight)")
-    if peft_config is not None and peft_config.is_prompt_learning:
-        raise ValueError(f"FastGRPOTrainer does not support PEFT prompt learning ({type(peft_config).__name__})")
-    if isinstance(processing_class, ProcessorMixin):
-        raise ValueError("FastGRPOTrainer does not support vision-language models (a ProcessorMixin processing_class)")
-    _loss_config(args)
-
-
-def _check_model(trainer) -> None:
-    """The checks that need the built trainer: model config, MoE loss, the accelerate backend."""
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    if trainer.aux_loss_enabled:
-        raise ValueError(f"FastGRPOTrainer does not support the MoE load-balancing loss: router_aux_loss_coef="
-                         f"{trainer.router_aux_loss_coef}; set router_aux_loss_coef=0.0")
-    zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
-    if trainer.is_fsdp_enabled or zero3:
-        raise ValueError("FastGRPOTrainer does not support fsdp or DeepSpeed ZeRO-3 (a sharded lm_head weight)")
-    if trainer._is_vlm:
-        raise ValueError("FastGRPOTrainer does not support vision-language models (a ProcessorMixin processing_class)")
-    if is_peft_model(model) and any(c.is_prompt_learning for c in model.peft_config.values()):
-        raise ValueError("FastGRPOTrainer does not support PEFT prompt learning (prefix / prompt / p-tuning)")
-    transform = logit_transform(model.config)
-    if transform is not None:
-        raise ValueError(f"FastGRPOTrainer does not support models that scale their logits: config.{transform[0]}="
-                         f"{transform[1]}")
-    text_config = model.config.get_text_config()
-    if getattr(text_config, "tie_last_hidden_states", True) is False:
-        raise ValueError("FastGRPOTrainer needs hidden_states[-1] to be the final-norm output: the model config has "
-                         "tie_last_hidden_states=False")
+        raise ValueError(f"FastGRPOTrainer cannot use this GRPOConfig: {error}") from error
 
 
 class FastGRPOTrainer(GRPOTrainer):
@@ -139,9 +162,10 @@ class FastGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, **kwargs):
         given = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
         if given.get("args") is not None:  # before TRL loads models or starts vLLM (TRL's default args pass)
-            _check_options(given["args"], given.get("peft_config"), given.get("processing_class"))
+            _refuse("args", given["args"], given.get("peft_config"), given.get("processing_class"))
+            _loss_config(given["args"])
         super().__init__(*args, **kwargs)
-        _check_model(self)
+        _refuse("trainer", trainer=self)
         self.loss_config = _loss_config(self.args)
 
     # -- hidden states and logprobs ----------------------------------------------------------------------------------
@@ -214,7 +238,7 @@ class FastGRPOTrainer(GRPOTrainer):
             old_logps=old_logps, ref_logps=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
             config=self.loss_config,
             # dapo / cispo divide by the generation batch's token count; _loss_scale rescales it as TRL does
-            num_items_in_batch=inputs["num_items_in_batch"] if self.loss_type in ("dapo", "cispo") else None,
+            num_items_in_batch=inputs["num_items_in_batch"] if self.loss_type in TOKEN_NORMALISED_LOSS_TYPES else None,
         )
         if self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
             # TRL multiplies the policy term (not the KL) by 0/1 token masks that need the logprobs first. Every loss
@@ -242,7 +266,7 @@ class FastGRPOTrainer(GRPOTrainer):
         cispo by num_items_in_batch / num_processes * accumulation steps / steps_per_generation instead of by
         num_items_in_batch (eval: / num_processes)."""
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        if self.loss_type in ("dapo", "cispo"):
+        if self.loss_type in TOKEN_NORMALISED_LOSS_TYPES:
             per_generation = self.args.steps_per_generation if mode == "train" else 1
             return self.accelerator.num_processes * per_generation / accumulation
         return 1.0 / accumulation

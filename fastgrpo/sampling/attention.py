@@ -9,20 +9,21 @@ each sequence's cached context. Everything else in the model (embeddings, norms,
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from fastgrpo.kernels.paged_attention import Tiles
+from fastgrpo.kernels.paged_attention import Tiles, attention_tiles, tiles_for
 from fastgrpo.kernels.paged_attention import paged_attention as triton_paged_attention
 
 ATTENTION_NAME = "fastgrpo_paged"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PagedBatch:
-    """What one forward needs to find its keys/values; built by the engine for each step."""
+    """What one forward needs to find its keys/values; built complete for each step (build_paged_batch)."""
 
     kv_cache: torch.Tensor  # [layers, 2, num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
@@ -36,6 +37,47 @@ class PagedBatch:
     tile_seqs: torch.Tensor | None = None  # [num_tiles] int32 (triton)
     tile_starts: torch.Tensor | None = None  # [num_tiles] int32 (triton)
     tiles: Tiles | None = None  # triton
+
+
+def triton_tiles(query_lens: list[int], group: int, dtype: torch.dtype) -> tuple[Tiles, list[int], list[int]]:
+    """The triton backend's tile settings for a step, and each program's tile: (sequence, first new token)."""
+    tiles = tiles_for(group, max(query_lens), dtype)
+    tile_seqs, tile_starts = attention_tiles(query_lens, tiles.block_m // group)
+    return tiles, tile_seqs, tile_starts
+
+
+def build_paged_batch(
+    kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, Hkv, D]
+    slots: list[int],  # [T]: cache slot of each new token
+    block_tables: list[list[int]],  # [S, max_blocks]
+    query_lens: list[int],  # [S]: new tokens per sequence
+    context_lens: list[int],  # [S]: cached tokens per sequence, this step's included
+    backend: str,
+    group: int,  # query heads per KV head
+) -> PagedBatch:
+    """The batch of one eager forward, from host lists; tiles planned here when the backend is triton."""
+
+    def tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(kv_cache.device, non_blocking=True)
+
+    tiles, tile_seqs, tile_starts = None, None, None
+    if backend == "triton":
+        tiles, seqs, starts = triton_tiles(query_lens, group, kv_cache.dtype)
+        tile_seqs, tile_starts = tensor(seqs, torch.int32), tensor(starts, torch.int32)
+    return PagedBatch(
+        kv_cache=kv_cache,
+        slot_mapping=tensor(slots, torch.long),
+        block_tables=tensor(block_tables, torch.int32),
+        context_lens=tensor(context_lens, torch.int32),
+        query_starts=tensor([0, *accumulate(query_lens)], torch.int32),
+        context_starts=tensor([0, *accumulate(context_lens)], torch.int32),
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+        backend=backend,
+        tile_seqs=tile_seqs,
+        tile_starts=tile_starts,
+        tiles=tiles,
+    )
 
 
 _current: PagedBatch | None = None

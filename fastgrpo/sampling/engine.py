@@ -13,13 +13,11 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
-from transformers import PreTrainedModel
 
-from fastgrpo.kernels.paged_attention import attention_tiles, tiles_for
-from fastgrpo.sampling.attention import ATTENTION_NAME, PagedBatch, paged_batch
+from fastgrpo.models import find_hf_model, stop_token_ids
+from fastgrpo.sampling.attention import ATTENTION_NAME, build_paged_batch, paged_batch, triton_tiles
 from fastgrpo.sampling.block_pool import BlockPool, blocks_for
 from fastgrpo.sampling.cuda_graphs import DecodeGraphs
 from fastgrpo.sampling.params import EngineConfig, SamplingParams, check_int
@@ -49,12 +47,34 @@ class GenerateStats:
     seconds: float = 0.0
 
 
-def find_hf_model(model: torch.nn.Module) -> PreTrainedModel:
-    """The transformers model itself, or the one a wrapper (e.g. a peft model) holds."""
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            return module
-    raise TypeError(f"model must be a transformers PreTrainedModel or wrap one, got {type(model).__name__}")
+@dataclass(frozen=True, slots=True)
+class HostBatch:
+    """One step's packed inputs as host lists: the T new tokens of S scheduled sequences."""
+
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    slots: list[int]  # [T]: cache slot (block * block_size + offset) of each new token
+    query_lens: list[int]  # [S]: new tokens per sequence
+    context_lens: list[int]  # [S]: cached tokens per sequence, this step's included
+    block_tables: list[list[int]]  # [S, max_blocks], padded with page 0
+    last_tokens: list[int]  # [rows that sample]: packed index of each sampling sequence's last new token
+
+
+def host_batch(step: Step, block_size: int) -> HostBatch:
+    """Pack each scheduled sequence's new tokens (its next `chunk` positions) one after another."""
+    input_ids, positions, slots, last_tokens, num_tokens = [], [], [], [], 0
+    for seq, chunk, samples in zip(step.seqs, step.chunks, step.num_samples, strict=True):
+        start, end = seq.num_cached, seq.num_cached + chunk
+        input_ids += seq.token_ids[start:end]
+        positions += range(start, end)
+        slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        num_tokens += chunk
+        if samples:
+            last_tokens.append(num_tokens - 1)
+    context_lens = [seq.num_cached + chunk for seq, chunk in zip(step.seqs, step.chunks, strict=True)]
+    width = max(len(seq.block_table) for seq in step.seqs)
+    tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in step.seqs]
+    return HostBatch(input_ids, positions, slots, list(step.chunks), context_lens, tables, last_tokens)
 
 
 def _available_memory(device: torch.device) -> int:
@@ -193,11 +213,7 @@ class Engine:
         return num_blocks
 
     def _finish_rule(self, params: SamplingParams):
-        stop_ids = params.stop_token_ids
-        if stop_ids is None:
-            eos = self.hf_model.generation_config.eos_token_id if self.hf_model.generation_config else None
-            stop_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-        stop_ids = frozenset(stop_ids)
+        stop_ids = frozenset(stop_token_ids(self.hf_model) if params.stop_token_ids is None else params.stop_token_ids)
         # A stop string ending at the newest token lies within its last len(s) tokens (each decodes to >= 1 char).
         window = max(map(len, params.stop), default=0) + 1
 
@@ -235,66 +251,51 @@ class Engine:
     def _decode_graphs(self, kv_cache: torch.Tensor, max_blocks_per_seq: int) -> DecodeGraphs | None:
         if not (self.config.cuda_graphs and self.device.type == "cuda" and self.backend in ("triton", "flash")):
             return None
-        tiles = tiles_for(self.num_heads // self.num_kv_heads, 1, self.dtype)
+        tiles, _, _ = triton_tiles([1], self.num_heads // self.num_kv_heads, self.dtype)  # one token per sequence
         return DecodeGraphs(self.model, kv_cache, self.config.max_num_seqs, max_blocks_per_seq, self.backend, tiles)
 
     # -- one forward --
 
     def _run(self, step: Step, kv_cache, params, generator, graphs) -> tuple[list[int], list[float]]:
-        block_size = self.config.block_size
-        input_ids, positions, slots, query_starts, last_tokens = [], [], [], [0], []
-        for seq, chunk, samples in zip(step.seqs, step.chunks, step.num_samples, strict=True):
-            start, end = seq.num_cached, seq.num_cached + chunk
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-            query_starts.append(query_starts[-1] + chunk)
-            if samples:
-                last_tokens.append(query_starts[-1] - 1)
-        context_lens = [seq.num_cached + chunk for seq, chunk in zip(step.seqs, step.chunks, strict=True)]
-        width = max(len(seq.block_table) for seq in step.seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in step.seqs]
-
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        decode_only = max(step.chunks) == 1 and all(samples == 1 for samples in step.num_samples)
-        logits = None
-        if graphs is not None and not graphs.failed and decode_only and len(step.seqs) <= self.config.max_num_seqs:
-            logits = graphs(
-                tensor(input_ids, torch.long),
-                tensor(positions, torch.long),
-                tensor(slots, torch.long),
-                tensor(tables, torch.int32),
-                tensor(context_lens, torch.int32),
-            )
+        batch = host_batch(step, self.config.block_size)
+        logits = self._graph_forward(step, batch, graphs)
         if logits is None:
-            batch = PagedBatch(
-                kv_cache=kv_cache,
-                slot_mapping=tensor(slots, torch.long),
-                block_tables=tensor(tables, torch.int32),
-                context_lens=tensor(context_lens, torch.int32),
-                query_starts=tensor(query_starts, torch.int32),
-                context_starts=tensor([0, *accumulate(context_lens)], torch.int32),
-                max_query_len=max(step.chunks),
-                max_context_len=max(context_lens),
-                backend=self.backend,
-            )
-            if self.backend == "triton":
-                group = self.num_heads // self.num_kv_heads
-                batch.tiles = tiles_for(group, batch.max_query_len, self.dtype)
-                tile_seqs, tile_starts = attention_tiles(step.chunks, batch.tiles.block_m // group)
-                batch.tile_seqs, batch.tile_starts = tensor(tile_seqs, torch.int32), tensor(tile_starts, torch.int32)
-            with paged_batch(batch):
-                logits = self.model(
-                    input_ids=tensor(input_ids, torch.long)[None],
-                    position_ids=tensor(positions, torch.long)[None],
-                    use_cache=False,
-                    logits_to_keep=tensor(last_tokens, torch.long),
-                ).logits[0]  # [rows that sample, V]
-        if not last_tokens:
+            logits = self._eager_forward(batch, kv_cache)
+        return self._sample(step, logits, params, generator)
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _graph_forward(self, step: Step, batch: HostBatch, graphs: DecodeGraphs | None) -> torch.Tensor | None:
+        """[S, V] logits from a CUDA graph replay; None when the step cannot replay one (run it eagerly)."""
+        decode_only = max(step.chunks) == 1 and all(samples == 1 for samples in step.num_samples)
+        if graphs is None or graphs.failed or not decode_only or len(step.seqs) > self.config.max_num_seqs:
+            return None
+        return graphs(
+            self._tensor(batch.input_ids, torch.long),
+            self._tensor(batch.positions, torch.long),
+            self._tensor(batch.slots, torch.long),
+            self._tensor(batch.block_tables, torch.int32),
+            self._tensor(batch.context_lens, torch.int32),
+        )
+
+    def _eager_forward(self, batch: HostBatch, kv_cache: torch.Tensor) -> torch.Tensor:  # [rows that sample, V]
+        group = self.num_heads // self.num_kv_heads
+        paged = build_paged_batch(
+            kv_cache, batch.slots, batch.block_tables, batch.query_lens, batch.context_lens, self.backend, group
+        )
+        with paged_batch(paged):
+            return self.model(
+                input_ids=self._tensor(batch.input_ids, torch.long)[None],
+                position_ids=self._tensor(batch.positions, torch.long)[None],
+                use_cache=False,
+                logits_to_keep=self._tensor(batch.last_tokens, torch.long),
+            ).logits[0]
+
+    def _sample(self, step: Step, logits: torch.Tensor, params, generator) -> tuple[list[int], list[float]]:
+        counts = [samples for samples in step.num_samples if samples]  # per row of logits
+        if not counts:
             return [], []
-        counts = [samples for samples in step.num_samples if samples]
         rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(self.device)
         tokens, logprobs = sample(logits.float()[rows], params, generator)
         return tokens.tolist(), logprobs.tolist()

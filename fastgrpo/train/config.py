@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from fastgrpo.loss_config import LOSS_TYPES
+from fastgrpo.loss_config import LOSS_TYPES, LossConfig
 
 BUILTIN = "builtin"  # model_name_or_path / dataset_name of the built-in arithmetic task
 DEFAULT_RECIPE = Path(__file__).parent / "default.yaml"
@@ -81,11 +81,14 @@ class TrainConfig:
     loss_type: str = option("dapo", "normalisation of the token losses", choices=LOSS_TYPES)
     beta: float = option(0.0, "k3 KL coefficient; 0 loads no reference model")
     epsilon: float = option(0.2, "clip range below 1 (and above, unless epsilon_high is set)")
-    epsilon_high: float | None = option(None, "clip range above 1 (DAPO's clip-higher)")
+    epsilon_high: float | None = option(
+        None, "clip range above 1 (DAPO's clip-higher); for cispo the cap of the importance weight (ScaleRL: 5.0)")
     delta: float | None = option(None, "upper cap of the ratio on negative advantages (two-sided clipping)")
     importance_sampling_level: str = option("token", "ratio per token or per sequence (GSPO)",
                                             choices=("token", "sequence"))
     use_bias_correction_kl: bool = option(True, "multiply the KL term by the importance ratio")
+    sapo_temperature_pos: float = option(1.0, "sapo: the gate's temperature on positive advantages")
+    sapo_temperature_neg: float = option(1.05, "sapo: the gate's temperature on negative advantages")
     num_iterations: int = option(1, "passes over each generation batch (mu); > 1 computes old logprobs")
     # -- optimisation --
     learning_rate: float = option(1e-6, "AdamW peak learning rate", aliases=("--lr",))
@@ -130,10 +133,9 @@ class TrainConfig:
         for name in ("max_prompt_length", "steps_per_generation", "save_total_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be None or >= 1, got {getattr(self, name)!r}")
-        for name in ("temperature", "learning_rate"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("beta", "epsilon", "weight_decay", "max_grad_norm", "eval_temperature"):
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
+        for name in ("weight_decay", "max_grad_norm", "eval_temperature"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("top_p", "sampling_memory_fraction"):
@@ -142,9 +144,6 @@ class TrainConfig:
         for name in ("warmup_ratio", "lora_dropout", "adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
-        for name in ("epsilon_high", "delta"):
-            if getattr(self, name) is not None and not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be None or > 0, got {getattr(self, name)!r}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
@@ -180,6 +179,11 @@ class TrainConfig:
             raise ValueError(f"report_to: unknown sinks {sorted(bad_sinks)}; choose from tensorboard, wandb, none")
         if self.resume and self.overwrite_output_dir:
             raise ValueError("resume and overwrite_output_dir contradict each other; pass one")
+        self.loss_config()  # the loss options' checks
+
+    def loss_config(self) -> LossConfig:
+        """The loss options (loss_type, epsilon, beta, temperature, ...) as fastgrpo.loss's LossConfig."""
+        return LossConfig.from_trl(self)
 
     @property
     def generation_batch_size(self) -> int:

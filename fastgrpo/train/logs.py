@@ -2,8 +2,14 @@
 
 import json
 import math
+import time
 import warnings
 from pathlib import Path
+
+import torch
+
+from fastgrpo.train.config import TrainConfig
+from fastgrpo.train.rewards import Rewards
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "training_curves.png"
@@ -98,3 +104,99 @@ def plot(history: list[dict], path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+# -- step metrics and presentation ------------------------------------------------------------------------------
+
+
+def nanmean(values: list[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return sum(kept) / len(kept) if kept else math.nan
+
+
+def reward_metrics(rewards: Rewards, per_func, total, std, flat) -> dict:
+    """TRL's reward metrics: per_func [n, F] and total [n] rewards, std [n] the one advantages were scaled by."""
+    metrics = {"reward": total.mean().item(), "reward_std": std.mean().item(),
+               "frac_reward_zero_std": flat.float().mean().item()}
+    for k, function in enumerate(rewards.functions):
+        name = getattr(function, "__name__", rewards.names[k])
+        metrics[f"rewards/{name}/mean"] = per_func[:, k].mean().item()
+        metrics[f"rewards/{name}/std"] = per_func[:, k].std().item()
+    return metrics
+
+
+def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
+    terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
+    return {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.float().mean().item(),
+        "completions/mean_terminated_length": terminated.mean().item(),
+        "completions/min_terminated_length": terminated.min().item(),
+        "completions/max_terminated_length": terminated.max().item(),
+    }
+
+
+def summary_line(summary: dict, config: TrainConfig) -> str:
+    how = "greedy" if config.eval_temperature == 0 else f"temperature {config.eval_temperature}"
+    if summary["initial_accuracy"] is None:
+        accuracy_text = "no held-out evaluation"
+    else:
+        accuracy_text = (f"held-out accuracy {summary['initial_accuracy']:.1%} -> {summary['final_accuracy']:.1%} "
+                         f"(pass@1, {how}, {summary['eval_prompts']} held-out prompts)")
+    return (f"fastgrpo: {accuracy_text}; {summary['steps']} steps in {summary['seconds']:.0f} s; "
+            f"run in {summary['output_dir']}")
+
+
+class Timer:
+    """Laps of one step, as time/<lap> metrics."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name], self.last = now - self.last, now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
+
+    def metrics(self) -> dict:
+        return {**{f"time/{k}": v for k, v in self.laps.items()}, "time/step": self.total}
+
+
+class Progress:
+    """A rich progress bar: step, reward, KL, tokens/s and ETA (nothing when disable_tqdm)."""
+
+    def __init__(self, config: TrainConfig, start_step: int):
+        self.enabled = not config.disable_tqdm
+        if not self.enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+        self.task = self.progress.add_task("train", total=config.max_steps, completed=start_step, info="")
+
+    def __enter__(self):
+        if self.enabled:
+            self.progress.start()
+        return self
+
+    def update(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        info = f"reward {metrics['reward']:.3f}"
+        if metrics.get("kl") is not None and not math.isnan(metrics["kl"]):
+            info += f"  kl {metrics['kl']:.4f}"
+        info += f"  {metrics['tokens_per_second']:.0f} tok/s"
+        if metrics.get("eval/accuracy") is not None:
+            info += f"  held-out {metrics['eval/accuracy']:.1%}"
+        self.progress.update(self.task, completed=step, info=info)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.progress.stop()

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 from fastgrpo.loss import logit_transform
-from fastgrpo.sampling.engine import find_hf_model
+from fastgrpo.models import find_hf_model
 from fastgrpo.train.config import BUILTIN, TrainConfig
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
@@ -50,11 +50,31 @@ def check_head(model: PreTrainedModel) -> None:
         raise ValueError(f"model_name_or_path: {type(model).__name__} has no lm_head (output embeddings)")
 
 
+# Liger's layer kernels only: the head and the loss are fastgrpo's.
+LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
+                 "fused_linear_cross_entropy": False}
+
+
+def _liger_loader():
+    """liger-kernel's public `AutoLigerKernelForCausalLM`: it swaps the model type's layers for Liger's (process-wide,
+    so a reference model gets them too) before loading the weights."""
+    try:
+        from liger_kernel.transformers import AutoLigerKernelForCausalLM
+    except ImportError as e:
+        raise ImportError("use_liger_kernel needs liger-kernel: pip install liger-kernel") from e
+    return AutoLigerKernelForCausalLM
+
+
 def _from_pretrained(path: str, config: TrainConfig, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     kwargs = {"dtype": dtype, "trust_remote_code": config.trust_remote_code}
     if config.attn_implementation is not None:
         kwargs["attn_implementation"] = config.attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)
+    if config.use_liger_kernel:
+        model = _liger_loader().from_pretrained(path, **kwargs, **LIGER_KERNELS).to(device)
+        if not any(type(module).__module__.startswith("liger_kernel") for module in model.modules()):
+            raise ValueError(f"use_liger_kernel: liger-kernel has no kernels for {model.config.model_type!r} models")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)
     check_head(model)
     return model
 
@@ -64,17 +84,6 @@ def load_policy(config: TrainConfig, device: torch.device, checkpoint: Path | No
     dtype = train_dtype(config, device)
     path = str(checkpoint) if checkpoint is not None and not config.use_peft else model_path(config)
     model = _from_pretrained(path, config, dtype, device)
-    if config.use_liger_kernel:
-        try:
-            from liger_kernel.transformers import _apply_liger_kernel_to_instance
-            from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-        except ImportError as e:
-            raise ImportError("use_liger_kernel needs liger-kernel: pip install liger-kernel") from e
-        if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-            raise ValueError(f"use_liger_kernel: liger-kernel has no kernels for {model.config.model_type!r} models")
-        # Layer kernels only: the head and the loss are fastgrpo's.
-        _apply_liger_kernel_to_instance(model=model, rms_norm=True, rope=True, swiglu=True, cross_entropy=False,
-                                        fused_linear_cross_entropy=False)
     if config.gradient_checkpointing:
         # Newer transformers renamed gradient_checkpointing_enable (kept, deprecated); >= 4.56 is supported.
         if hasattr(model, "activation_checkpointing_enable"):

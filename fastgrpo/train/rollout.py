@@ -22,7 +22,8 @@ class Rollout:
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> tuple[torch.Tensor, ...]:
-    """rewards [P*G] -> (advantages [P*G], per-group std [P*G], zero-std flags [P*G]).
+    """rewards [P*G] -> (advantages [P*G], the std they were scaled by [P*G] (the group's, or the batch's with
+    "batch"; TRL's reward_std), zero-std flags [P*G]).
 
     A = r - mean(group); divided by std(group) + 1e-4 ("group"), by std(batch) + 1e-4 ("batch") or not at all
     ("none"), as TRL. A group whose rewards are all equal gets exactly zero advantage.
@@ -35,7 +36,7 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     if scale_rewards != "none":
         advantages = advantages / (std + 1e-4)
     flat = (grouped == grouped[:, :1]).all(1, keepdim=True).expand_as(grouped).reshape(-1)  # [P*G]
-    return advantages.masked_fill(flat, 0.0), group_std, flat
+    return advantages.masked_fill(flat, 0.0), std, flat
 
 
 @dataclass(slots=True)

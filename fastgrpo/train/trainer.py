@@ -25,14 +25,25 @@ from pathlib import Path
 import torch
 from transformers import get_scheduler
 
-from fastgrpo.bench import peak_memory, reset_peak_memory
-from fastgrpo.loss import LossConfig, fused_grpo_loss, token_logprobs
+from fastgrpo.loss import fused_grpo_loss, token_logprobs
+from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES
+from fastgrpo.memory import peak_memory, reset_peak_memory
+from fastgrpo.models import find_hf_model, stop_token_ids
 from fastgrpo.sampling import Engine, SamplingParams
-from fastgrpo.sampling.engine import find_hf_model
 from fastgrpo.train import checkpoint
 from fastgrpo.train.config import TrainConfig
 from fastgrpo.train.data import PromptOrder, eval_subset, load_rows, prepare
-from fastgrpo.train.logs import PLOT_FILE, MetricsLog, plot
+from fastgrpo.train.logs import (
+    PLOT_FILE,
+    MetricsLog,
+    Progress,
+    Timer,
+    length_metrics,
+    nanmean,
+    plot,
+    reward_metrics,
+    summary_line,
+)
 from fastgrpo.train.model import (
     PACKED_ATTENTION,
     completion_hidden,
@@ -45,7 +56,11 @@ from fastgrpo.train.rewards import Rewards, accuracy
 from fastgrpo.train.rollout import Rollout, group_advantages, micro_batch, micro_batches
 
 RESERVED_REWARD_ARGS = ("prompts", "completions", "completion_ids")
-TOKEN_NORMALISED = ("dapo", "cispo")  # loss types normalised by num_items_in_batch
+
+
+def seed_for(*key) -> int:
+    """A 32-bit seed that depends on `key` only (its repr), the same in every process and run."""
+    return zlib.crc32(repr(key).encode())
 
 
 def _output_dir(config: TrainConfig) -> Path:
@@ -74,13 +89,8 @@ class Trainer:
         self.packed = find_hf_model(self.model).config._attn_implementation in PACKED_ATTENTION
         self.engine = Engine(self.model, tokenizer=self.tokenizer, block_size=config.block_size,
                              memory_fraction=config.sampling_memory_fraction)
-        self.stop_token_ids = self._stop_token_ids()
-        self.loss_config = LossConfig(
-            loss_type=config.loss_type, epsilon_low=config.epsilon, epsilon_high=config.epsilon_high,
-            delta=config.delta, beta=config.beta, temperature=config.temperature,
-            importance_sampling_level=config.importance_sampling_level,
-            use_bias_correction_kl=config.use_bias_correction_kl, max_completion_length=config.max_completion_length,
-        )  # fmt: skip
+        self.stop_token_ids = stop_token_ids(self.model, self.tokenizer)
+        self.loss_config = config.loss_config()
 
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.parameters, lr=config.learning_rate, weight_decay=config.weight_decay,
@@ -119,16 +129,9 @@ class Trainer:
         out.mkdir(parents=True, exist_ok=True)
         return None
 
-    def _stop_token_ids(self) -> tuple[int, ...]:
-        eos = find_hf_model(self.model).generation_config.eos_token_id
-        ids = set([eos] if isinstance(eos, int) else eos or [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
-
     def _seed(self, *key) -> int:
         """A seed per (run seed, step, purpose): sampling and shuffles do not depend on what ran before."""
-        return zlib.crc32(repr((self.config.seed, self.step, *key)).encode())
+        return seed_for(self.config.seed, self.step, *key)
 
     # -- the loop --
 
@@ -138,7 +141,7 @@ class Trainer:
             self.initial_accuracy = self.evaluate()
             self.log.log(0, {"eval/accuracy": self.initial_accuracy})
         final_accuracy = self.initial_accuracy
-        with _Progress(config, self.step) as progress:
+        with Progress(config, self.step) as progress:
             while self.step < config.max_steps:
                 self.step += 1
                 start = time.perf_counter()
@@ -164,7 +167,7 @@ class Trainer:
     def train_step(self) -> dict:
         config, G = self.config, self.config.num_generations
         reset_peak_memory(self.device)
-        timer = _Timer()
+        timer = Timer()
 
         # 1. sample
         picked = self.order.next(config.prompts_per_step)
@@ -183,7 +186,7 @@ class Trainer:
                    if k not in RESERVED_REWARD_ARGS and k != config.prompt_column}
         per_func, rewards = self.rewards([self.train_prompts.texts[i] for i in samples], texts, completion_ids,
                                          columns)
-        advantages, group_std, flat = group_advantages(rewards, G, config.scale_rewards)
+        advantages, std, flat = group_advantages(rewards, G, config.scale_rewards)
         truncated = torch.tensor([c.finish_reason == "length" for c in completions])
         drop = config.mask_truncated_completions
         cut = truncated.tolist()
@@ -209,8 +212,8 @@ class Trainer:
         self.num_tokens += int(lengths.sum()) + sum(len(p) for p in rollout.prompt_ids)
         return {
             **stats,
-            **_reward_metrics(self.rewards, per_func, rewards, group_std, flat, config.scale_rewards),
-            **_length_metrics(lengths, truncated),
+            **reward_metrics(self.rewards, per_func, rewards, std, flat),
+            **length_metrics(lengths, truncated),
             "num_tokens": self.num_tokens,
             "learning_rate": self.scheduler.get_last_lr()[0],
             "sampling/preemptions": self.engine.stats.num_preemptions,
@@ -239,9 +242,9 @@ class Trainer:
                     loss, micro_metrics = fused_grpo_loss(
                         hidden, weight, mb.completion_ids, mb.mask, mb.advantages, bias=bias, old_logps=mb.old_logps,
                         ref_logps=mb.ref_logps, config=self.loss_config,
-                        num_items_in_batch=num_items if config.loss_type in TOKEN_NORMALISED else None,
+                        num_items_in_batch=num_items if config.loss_type in TOKEN_NORMALISED_LOSS_TYPES else None,
                     )  # fmt: skip
-                    if config.loss_type not in TOKEN_NORMALISED:
+                    if config.loss_type not in TOKEN_NORMALISED_LOSS_TYPES:
                         loss = loss / config.gradient_accumulation_steps
                     loss.backward()
                     step_loss = step_loss + loss.detach()
@@ -255,7 +258,7 @@ class Trainer:
                 losses.append(step_loss)
         # One device sync for all the metrics of the round.
         metrics = {"loss": losses, "grad_norm": grad_norms, **metrics}
-        return {key: _nanmean(torch.stack(values).tolist()) for key, values in metrics.items()}
+        return {key: nanmean(torch.stack(values).tolist()) for key, values in metrics.items()}
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, rollout: Rollout) -> list[torch.Tensor]:
@@ -287,7 +290,7 @@ class Trainer:
         config = self.config
         params = SamplingParams(temperature=config.eval_temperature, top_p=config.top_p, top_k=config.top_k,
                                 max_new_tokens=config.max_completion_length, stop_token_ids=self.stop_token_ids,
-                                seed=zlib.crc32(repr(("eval", config.seed)).encode()))
+                                seed=seed_for("eval", config.seed))
         outputs = self.engine.generate(self.eval_prompts.token_ids, n=1, params=params)
         texts = self.tokenizer.batch_decode([group[0].token_ids for group in outputs], skip_special_tokens=True)
         answers = [row[config.answer_column] for row in self.eval_prompts.rows]
@@ -298,97 +301,3 @@ class Trainer:
                  "data": self.order.state_dict()}
         return checkpoint.save(self.output_dir, self.step, self.model, self.tokenizer, self.optimizer,
                                self.scheduler, state, self.config.save_total_limit)
-
-
-# -- metrics ---------------------------------------------------------------------------------------------------------
-
-
-def _nanmean(values: list[float]) -> float:
-    kept = [v for v in values if not math.isnan(v)]
-    return sum(kept) / len(kept) if kept else math.nan
-
-
-def _reward_metrics(rewards: Rewards, per_func, total, group_std, flat, scale_rewards) -> dict:
-    std = total.std().expand_as(total) if scale_rewards == "batch" else group_std
-    metrics = {"reward": total.mean().item(), "reward_std": std.mean().item(),
-               "frac_reward_zero_std": flat.float().mean().item()}
-    for k, function in enumerate(rewards.functions):
-        name = getattr(function, "__name__", rewards.names[k])
-        metrics[f"rewards/{name}/mean"] = per_func[:, k].mean().item()
-        metrics[f"rewards/{name}/std"] = per_func[:, k].std().item()
-    return metrics
-
-
-def _length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
-    terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
-    return {
-        "completions/mean_length": lengths.mean().item(),
-        "completions/min_length": lengths.min().item(),
-        "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": truncated.float().mean().item(),
-        "completions/mean_terminated_length": terminated.mean().item(),
-        "completions/min_terminated_length": terminated.min().item(),
-        "completions/max_terminated_length": terminated.max().item(),
-    }
-
-
-def summary_line(summary: dict, config: TrainConfig) -> str:
-    how = "greedy" if config.eval_temperature == 0 else f"temperature {config.eval_temperature}"
-    if summary["initial_accuracy"] is None:
-        accuracy_text = "no held-out evaluation"
-    else:
-        accuracy_text = (f"held-out accuracy {summary['initial_accuracy']:.1%} -> {summary['final_accuracy']:.1%} "
-                         f"(pass@1, {how}, {summary['eval_prompts']} held-out prompts)")
-    return (f"fastgrpo: {accuracy_text}; {summary['steps']} steps in {summary['seconds']:.0f} s; "
-            f"run in {summary['output_dir']}")
-
-
-class _Timer:
-    def __init__(self):
-        self.start = self.last = time.perf_counter()
-        self.laps = {}
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.laps[name], self.last = now - self.last, now
-
-    @property
-    def total(self) -> float:
-        return self.last - self.start
-
-    def metrics(self) -> dict:
-        return {**{f"time/{k}": v for k, v in self.laps.items()}, "time/step": self.total}
-
-
-class _Progress:
-    """A rich progress bar: step, reward, KL, tokens/s and ETA (nothing when disable_tqdm)."""
-
-    def __init__(self, config: TrainConfig, start_step: int):
-        self.enabled = not config.disable_tqdm
-        if not self.enabled:
-            return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-                                 TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-        self.task = self.progress.add_task("train", total=config.max_steps, completed=start_step, info="")
-
-    def __enter__(self):
-        if self.enabled:
-            self.progress.start()
-        return self
-
-    def update(self, step: int, metrics: dict) -> None:
-        if not self.enabled:
-            return
-        info = f"reward {metrics['reward']:.3f}"
-        if metrics.get("kl") is not None and not math.isnan(metrics["kl"]):
-            info += f"  kl {metrics['kl']:.4f}"
-        info += f"  {metrics['tokens_per_second']:.0f} tok/s"
-        if metrics.get("eval/accuracy") is not None:
-            info += f"  held-out {metrics['eval/accuracy']:.1%}"
-        self.progress.update(self.task, completed=step, info=info)
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.progress.stop()

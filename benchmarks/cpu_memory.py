@@ -1,67 +1,10 @@
-"""Peak host memory above the inputs of one forward+backward of the loss, chunked torch path vs the reference.
-
-Each method runs in a fresh process; the peak resident set is reset after the inputs are built (Linux
-`/proc/self/clear_refs`), so the reported figure is what the loss itself adds.
+"""Peak host memory of the loss, chunked torch path vs the full-logits reference (CPU, Linux). Same as
+`python -m fastgrpo.bench.cpu_memory`.
 
     python benchmarks/cpu_memory.py --tokens 8192 --hidden 256 --vocab 65536
 """
 
-import argparse
-import json
-import os
-import subprocess
-import sys
-
-METHODS = ("torch", "reference")
-
-
-def measure(method: str, tokens: int, hidden: int, vocab: int) -> dict:
-    """Run in this process: peak RSS growth (bytes) over one fused_grpo_loss forward + backward."""
-    import torch
-
-    from fastgrpo.bench import PeakMemory
-    from fastgrpo.loss import LossConfig, fused_grpo_loss
-
-    os.environ["FASTGRPO_BACKEND"] = method
-    torch.manual_seed(0)
-    B = max(1, tokens // 512)
-    T = tokens // B
-    h = (torch.randn(B, T, hidden) / hidden**0.5).requires_grad_()
-    w = (torch.randn(vocab, hidden) / hidden**0.5).requires_grad_()
-    ids = torch.randint(0, vocab, (B, T))
-    mask = torch.ones(B, T)
-    adv = torch.randn(B)
-    with PeakMemory(torch.device("cpu")).measure() as memory:
-        loss, _ = fused_grpo_loss(h, w, ids, mask, adv, config=LossConfig(beta=0.0))
-        loss.backward()
-    return {"method": method, "tokens": B * T, "hidden": hidden, "vocab": vocab,
-            "peak_extra_bytes": memory.peak_bytes, "logits_bytes": B * T * vocab * 4}
-
-
-def run_isolated(method: str, tokens: int, hidden: int, vocab: int) -> dict:
-    cmd = [sys.executable, __file__, "--one", method, "--tokens", str(tokens), "--hidden", str(hidden),
-           "--vocab", str(vocab)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=65536)
-    parser.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.one:
-        print(json.dumps(measure(args.one, args.tokens, args.hidden, args.vocab)))
-        return
-    rows = [run_isolated(m, args.tokens, args.hidden, args.vocab) for m in METHODS]
-    print(f"N={rows[0]['tokens']} H={args.hidden} V={args.vocab} fp32, logits alone: "
-          f"{rows[0]['logits_bytes'] / 2**20:.0f} MiB")
-    for r in rows:
-        print(f"  {r['method']:<10} peak above inputs: {r['peak_extra_bytes'] / 2**20:8.1f} MiB")
-    print(f"  ratio torch/reference: {rows[0]['peak_extra_bytes'] / rows[1]['peak_extra_bytes']:.3f}")
-
+from fastgrpo.bench.cpu_memory import main
 
 if __name__ == "__main__":
     main()

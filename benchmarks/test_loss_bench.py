@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 
-from fastgrpo.bench.loss import Case, Settings, _floor_backward, forward_fn, loss_fn, make_inputs
+from fastgrpo.bench.loss import Case, Settings, floor_backward, forward_fn, loss_fn, make_inputs
 
 pytest.importorskip("pytest_benchmark")
 
@@ -43,7 +43,7 @@ def test_forward(benchmark, method):
 def test_full(benchmark, method):
     inp = make_inputs(Case(HEAD, TOKENS, BETA, "full"), SETTINGS)
     if method == "floor":
-        step = lambda: (forward_fn("floor", BETA, torch.device("cpu"))(inp), _floor_backward(inp))
+        step = lambda: (forward_fn("floor", BETA, torch.device("cpu"))(inp), floor_backward(inp))
     else:
         loss = loss_fn(method, BETA, torch.device("cpu"))
         step = lambda: loss(inp).backward()

@@ -3,7 +3,8 @@
 The README trains a hub model; here a tiny random-weight Qwen2 saved to a temporary folder is passed by path the
 same way (`model=<id or path>`: TRL loads it), with a word-level tokenizer passed as `processing_class` (from the
 folder, transformers would pick Qwen2's BPE tokenizer class for it), so that the example runs without network or
-GPU. Below the "as in the README" line is the README's code, with smaller sizes and that one extra argument.
+GPU. Below the "as in the README" line is the README's code, with smaller sizes and that one extra argument; the
+last lines print how far training moved the weights.
 
     python examples/trl_grpo_tiny.py
 """
@@ -11,6 +12,7 @@ GPU. Below the "as in the README" line is the README's code, with smaller sizes 
 import tempfile
 
 import tokenizers
+import torch
 from datasets import Dataset
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -20,9 +22,11 @@ backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_toke
 backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
 backend.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
 tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-Qwen2ForCausalLM(Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1,
-                             bos_token_id=1)).save_pretrained(path)
+torch.manual_seed(0)  # the same tiny model every run (TRL seeds the rest: GRPOConfig.seed)
+initial = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       pad_token_id=0, eos_token_id=1, bos_token_id=1))
+initial.save_pretrained(path)
 dataset = Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(64)]})
 
 # -- as in the README ------------------------------------------------------------------------------------------------
@@ -47,3 +51,8 @@ trainer = GRPOTrainer(
 )
 trainer.train()
 print({k: v for k, v in trainer.state.log_history[-2].items() if k in ("loss", "reward", "kl", "entropy")})
+
+# not in the README: how far training moved the weights, the largest change of any parameter since the saved model
+trained = trainer.model.state_dict()
+change = max((trained[name] - weight).abs().max().item() for name, weight in initial.state_dict().items())
+print(f"max parameter change: {change:.3e}")

@@ -1,11 +1,13 @@
-"""Shared test helpers: three-way comparisons with verbose failures, GRPO problem builders, a tokenizer, tiny model
-configs, a torch thread-count guard."""
+"""Shared test helpers: three-way comparisons with verbose failures, GRPO problem builders (an lm head, a whole loss
+problem), a tokenizer, tiny model configs, a torch thread-count guard."""
 
 from contextlib import contextmanager
 
 import tokenizers
 import torch
 from transformers import PreTrainedTokenizerFast
+
+from fastgrpo import reference
 
 # Allowed error of a fast path beyond the same-dtype torch reference's own error, relative to the value's scale.
 # fp32: both are ~1e-6 off float64; the kernels' different summation order adds a few ulps over V terms.
@@ -48,6 +50,27 @@ def make_head(N_shape, H, V, seed=0, scale=1.0, bias=False, dtype=torch.float64)
     ids = torch.randint(0, V, N_shape, generator=g)
     cast = lambda t: None if t is None else t.to(dtype)
     return cast(hidden), cast(weight), cast(b), ids
+
+
+B, T, H, V = 4, 9, 24, 150  # make_problem's sizes: none a multiple of any block size
+
+
+def make_problem(seed=0, adv_per_token=False, dtype=torch.float64):
+    """A GRPO loss problem: hidden [B, T, H] (non-contiguous), weight [V, H], bias [V], ids [B, T] (-100 on padding),
+    mask [B, T] (a padded tail, an all-masked row), old / ref logprobs [B, T] fp32, advantages [B] (or [B, T]) fp32."""
+    hidden, weight, bias, ids = make_head((B, T + 1), H, V, seed=seed, scale=4.0, bias=True, dtype=dtype)
+    hidden = hidden[:, :-1]  # non-contiguous, as `last_hidden_state[:, :-1]` is
+    ids = ids[:, 1:]
+    g = torch.Generator().manual_seed(seed + 1)
+    mask = (torch.rand(B, T, generator=g) > 0.25).long()
+    mask[1, 5:] = 0  # a padded tail
+    mask[2] = 0  # an all-masked row
+    ids = ids.masked_fill(mask == 0, -100)  # padding ids are out of range and must be ignored
+    logps, _ = reference.token_logprobs(hidden.double(), weight.double(), ids.clamp(min=0), bias=bias.double())
+    old = (logps + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    ref = (logps + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    adv = torch.randn((B, T) if adv_per_token else (B,), generator=g, dtype=torch.float64).float()
+    return dict(hidden=hidden, weight=weight, bias=bias, ids=ids, mask=mask, old=old, ref=ref, adv=adv)
 
 
 def leaf(t, dtype):

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from helpers import assert_no_worse, leaf, make_head
-from test_grpo_loss import make_problem
+from helpers import assert_no_worse, leaf, make_head, make_problem
 
 from fastgrpo.loss import LossConfig, fused_grpo_loss, token_logprobs
 from fastgrpo.loss_config import LOSS_TYPES

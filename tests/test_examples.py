@@ -1,5 +1,7 @@
-"""The README's runnable examples run as written (offline, CPU)."""
+"""The README's runnable examples run as written (offline, CPU) and train."""
 
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,4 +16,10 @@ def test_trl_example_trains():
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "trl_grpo_tiny.py")], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "'loss'" in done.stdout and "'kl'" in done.stdout
+    assert "'kl'" in done.stdout, done.stdout[-3000:]
+    losses = re.findall(r"'loss': '?([^,}']+)", done.stdout)  # each step's log line (quoted), then the example's
+    change = re.search(r"max parameter change: (\S+)", done.stdout)
+    assert losses and change, done.stdout[-3000:]
+    assert all(math.isfinite(float(loss)) for loss in losses), f"logged losses {losses}"
+    # Adam moves every parameter with a gradient by about the learning rate (TRL's default 1e-6) per step
+    assert 0 < float(change[1]) < math.inf, f"the weights did not move: max change {change[1]}"

@@ -4,29 +4,11 @@ import itertools
 
 import pytest
 import torch
-from helpers import assert_close, assert_no_worse, leaf, make_head
+from helpers import H, assert_close, assert_no_worse, leaf, make_problem
 
 from fastgrpo import reference
 from fastgrpo.loss import GRPOLoss, LossConfig, fused_grpo_loss, grpo_loss
 from fastgrpo.loss_config import LOSS_TYPES
-
-B, T, H, V = 4, 9, 24, 150  # none a multiple of any block size
-
-
-def make_problem(seed=0, adv_per_token=False, dtype=torch.float64):
-    hidden, weight, bias, ids = make_head((B, T + 1), H, V, seed=seed, scale=4.0, bias=True, dtype=dtype)
-    hidden = hidden[:, :-1]  # non-contiguous, as `last_hidden_state[:, :-1]` is
-    ids = ids[:, 1:]
-    g = torch.Generator().manual_seed(seed + 1)
-    mask = (torch.rand(B, T, generator=g) > 0.25).long()
-    mask[1, 5:] = 0  # a padded tail
-    mask[2] = 0  # an all-masked row
-    ids = ids.masked_fill(mask == 0, -100)  # padding ids are out of range and must be ignored
-    logps, _ = reference.token_logprobs(hidden.double(), weight.double(), ids.clamp(min=0), bias=bias.double())
-    old = (logps + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
-    ref = (logps + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
-    adv = torch.randn((B, T) if adv_per_token else (B,), generator=g, dtype=torch.float64).float()
-    return dict(hidden=hidden, weight=weight, bias=bias, ids=ids, mask=mask, old=old, ref=ref, adv=adv)
 
 
 def run(monkeypatch, backend, dtype, p, config, on_policy=False, num_items=None):

@@ -1,17 +1,14 @@
 """The chunked path's peak host memory is a small fraction of the full-logits reference's (Linux only)."""
 
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+from fastgrpo.bench.cpu_memory import run_isolated
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc/self/clear_refs")
 def test_chunked_peak_memory_under_10_percent_of_reference():
-    from cpu_memory import run_isolated
-
     chunked = run_isolated("torch", 8192, 256, 65536)
     full = run_isolated("reference", 8192, 256, 65536)
     ratio = chunked["peak_extra_bytes"] / full["peak_extra_bytes"]

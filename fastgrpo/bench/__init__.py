@@ -1,5 +1,5 @@
-"""Benchmark harness shared by the suites: environment record, peak memory, timing, one process per method, result
-files.
+"""Benchmark harness shared by the suites: dtypes and model shapes, environment record, timing, one process per
+method, result files (peak memory comes from fastgrpo.memory).
 
 Every row a suite writes carries the device, library versions and date, so a results file stands on its own.
 """
@@ -14,10 +14,20 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+# peak_memory and reset_peak_memory are re-exported: callers imported them from here before fastgrpo.memory existed
+from fastgrpo.memory import PeakMemory, peak_memory, reset_peak_memory  # noqa: F401
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SHAPES = {  # Qwen2 model shapes (random weights) of the sampling and TRL-step suites
+    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2),
+    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
+}  # fmt: skip
 
 
 def device_name(device: torch.device) -> str:
@@ -47,50 +57,6 @@ def environment(device: torch.device) -> dict:
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
     }
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def reset_peak_memory(device: torch.device) -> int:
-    """Start a new peak window; returns the memory in use now (bytes): CUDA allocated, or resident set (Linux)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device)
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")  # reset the peak RSS to the current RSS
-    return _status_kib("VmRSS") * 1024
-
-
-def peak_memory(device: torch.device) -> int:
-    """Peak bytes in use since the last reset_peak_memory."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
-    return _status_kib("VmHWM") * 1024
-
-
-class PeakMemory:
-    """Peak memory above the level at entry: CUDA allocator peak on a GPU, resident set peak on a CPU (Linux).
-
-    On a CPU the allocator keeps freed pages resident, so measure one method per process for clean figures.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.peak_bytes = 0
-
-    @contextmanager
-    def measure(self):
-        base = reset_peak_memory(self.device)
-        yield self
-        self.peak_bytes = peak_memory(self.device) - base
 
 
 def time_call(fn, device: torch.device, *, repeats: int, warmup: int, setup=None, warmup_peaks: bool = False):

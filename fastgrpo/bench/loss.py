@@ -45,8 +45,16 @@ from pathlib import Path
 import torch
 
 import fastgrpo
-from fastgrpo.bench import environment, markdown_table, results_stem, run_in_child, suite_main, time_call, write_results
-from fastgrpo.bench.sampling import DTYPES
+from fastgrpo.bench import (
+    DTYPES,
+    environment,
+    markdown_table,
+    results_stem,
+    run_in_child,
+    suite_main,
+    time_call,
+    write_results,
+)
 
 HEADS = {  # name: (hidden size H, vocab size V)
     "qwen2.5-0.5b": (896, 151936),
@@ -217,8 +225,10 @@ def forward_fn(method: str, beta: float, device: torch.device):
     return lambda inp: inp.x_valid @ inp.weight.detach().T  # floor
 
 
-def _floor_backward(inp):
-    """The backward's GEMMs: recompute z [Nv, V], then dX = z W [Nv, H] and dW = z^T X [V, H]."""
+def floor_backward(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The floor's backward: the GEMMs a chunked backward cannot avoid, with no softmax. Recompute z = X W^T
+    [Nv, V], then dX = z W [Nv, H] and dW = z^T X [V, H] (z stands in for dz: same shape, same cost); returns
+    (dX, dW). With `forward_fn("floor", ...)` it makes the floor's full mode."""
     x, w = inp.x_valid, inp.weight.detach()
     z = x @ w.T
     return z @ w, z.T @ x
@@ -245,9 +255,9 @@ def measure_case(method: str, case: Case, settings: Settings) -> dict:
     elif method == "floor":
         forward = forward_fn("floor", 0.0, device)
         if case.mode == "backward":
-            seconds, peak, _ = time_call(lambda _: _floor_backward(inp), device, **timing)
+            seconds, peak, _ = time_call(lambda _: floor_backward(inp), device, **timing)
         else:
-            seconds, peak, _ = time_call(lambda _: (forward(inp), _floor_backward(inp)), device, **timing)
+            seconds, peak, _ = time_call(lambda _: (forward(inp), floor_backward(inp)), device, **timing)
     else:
         loss = loss_fn(method, case.beta, device)
 

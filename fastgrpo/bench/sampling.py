@@ -15,16 +15,18 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fastgrpo.bench import environment, markdown_table, run_in_child, suite_main, time_call, write_results
+from fastgrpo.bench import (
+    DTYPES,
+    SHAPES,
+    environment,
+    markdown_table,
+    run_in_child,
+    suite_main,
+    time_call,
+    write_results,
+)
 
-SHAPES = {
-    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=2),
-    "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
-}  # fmt: skip
 METHODS = ("fastgrpo", "hf_generate", "generate_batch")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)

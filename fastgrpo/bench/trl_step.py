@@ -23,8 +23,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fastgrpo.bench import environment, markdown_table, run_in_child, suite_main, time_call, write_results
-from fastgrpo.bench.sampling import DTYPES, SHAPES
+from fastgrpo.bench import (
+    DTYPES,
+    SHAPES,
+    environment,
+    markdown_table,
+    run_in_child,
+    suite_main,
+    time_call,
+    write_results,
+)
 
 METHODS = ("trl", "fastgrpo")
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2

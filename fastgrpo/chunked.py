@@ -1,100 +1,219 @@
-"""The chunked PyTorch path: the fused kernels' function (see fastgrpo.kernels.logprob) with bounded memory.
+"""fastgrpo's default head: chunked GEMMs (cuBLAS on a GPU), memory-bound row passes, the gradient in the forward.
 
-Used on CPU, and on CUDA when deterministic algorithms are requested. Tokens are processed in chunks whose fp32
-logits take at most `CHUNK_BYTES`; the backward recomputes each chunk's logits instead of storing them. Logits are
-formed in fp32 (bf16 inputs are upcast chunk by chunk), so nothing is rounded to bf16 before the logsumexp.
+Per chunk of C selected tokens x_c [C, H], lm_head W [V, H], optional bias b [V], temperature T:
+
+    Z     = (x_c W^T + b) / T              fp32 [C, V]   GEMM 1 (bf16 operands, fp32 output on CUDA)
+    lse, logp, entropy                     [C]           row statistics: one read of Z
+    g, h  = dL/dlogp, dL/dentropy          [C]           the loss's per-token math, on C numbers (the caller's)
+    dZ    = (g (onehot(y) - p) - h p (log p + H)) / T     one read of Z, one write of dZ (in the GEMM dtype)
+    dX_c  = dZ W                           [C, H]        GEMM 2, complete per chunk
+    dW   += dZ^T x_c,  db += sum_c dZ      fp32 [V, H]   GEMM 3, accumulated over chunks
+
+So a forward+backward is 3 GEMMs of 2 C H V FLOPs per chunk, the floor of any exact method (a bare linear layer's
+forward and backward), plus two passes over Z whose time is bytes / bandwidth. Nothing is recomputed and nothing
+is reduced with atomics. The row passes run as Triton kernels on CUDA (kernels/logit_rows.py) and in PyTorch
+elsewhere; logits are formed in fp32 and never rounded to the input dtype before the logsumexp.
+
+`token_logprobs` with a gradient (the caller's g, h arrive only in the backward) keeps the recompute form: the
+backward forms each chunk's Z again (4 GEMMs in all).
+
+Extra memory of the gradient-in-forward path: the Z chunk (4 C V bytes; dZ is written over it in fp32, or to a
+2 C V-byte buffer in bf16), the fp32 dW accumulator (4 V H) and dX (N H in the input dtype); with the defaults below
+that is at most ~2 GiB of chunk on a GPU and 32 MiB on a CPU, plus the accumulator.
 """
+
+import os
 
 import torch
 
-# Logit bytes per chunk; a chunk's peak is about three times this (logits, probabilities, their gradient).
-CHUNK_BYTES = 32 * 2**20
+# Chunk of logits per GEMM: on CUDA large enough that GEMM 3's fp32 dW read-modify-write (8 V H bytes per chunk)
+# stays under its 2 C V H FLOPs (compute-bound from C ~ 1200 on an H100: 989e12 / 3.35e12 * 4 B), on a CPU small
+# enough to stay near the caches. FASTGRPO_CHUNK_TOKENS overrides both.
+CUDA_CHUNK_BYTES = 2 * 2**30
+CPU_CHUNK_BYTES = 32 * 2**20
 
 
-def _chunk_tokens(V: int) -> int:
-    return max(1, CHUNK_BYTES // (4 * V))
+def chunk_tokens(V: int, device: torch.device) -> int:
+    """Tokens per chunk: fp32 logits of at most the device's CHUNK_BYTES (dZ in bf16 adds half of that on CUDA)."""
+    override = os.environ.get("FASTGRPO_CHUNK_TOKENS")
+    if override:
+        if not override.isdigit() or int(override) < 1:
+            raise ValueError(f"FASTGRPO_CHUNK_TOKENS must be a positive integer, got {override!r}")
+        return int(override)
+    if device.type == "cuda":
+        return max(128, CUDA_CHUNK_BYTES // (6 * V) // 128 * 128)
+    return max(1, CPU_CHUNK_BYTES // (4 * V))
 
 
-def _mm_fp32(a, b_t):
-    """a [M, K] @ b_t.T -> fp32 [M, N] with fp32 accumulation, without an fp32 copy of b_t on CUDA."""
-    if a.dtype == torch.float32 or a.dtype == torch.float64:
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+# In-place fp32 addmm with bf16 operands (`torch.addmm(acc, a, b, out_dtype=fp32, out=acc)`) was wrong before
+# PyTorch 2.10 (pytorch/pytorch#154086); older versions add a separate fp32 product instead.
+INPLACE_FP32_ADDMM = _torch_version() >= (2, 10)
+
+
+def mm_fp32(a, b_t):
+    """a [M, K] @ b_t.T -> [M, N], at least fp32, with fp32 accumulation; no fp32 copy of b_t on CUDA."""
+    if a.dtype in (torch.float32, torch.float64):
         return a @ b_t.T
     if a.is_cuda:
         return torch.mm(a, b_t.T, out_dtype=torch.float32)
     return a.float() @ b_t.float().T
 
 
-def _matmul_weight(x, weight):
-    """The weight as the chunk matmuls take it: as is on CUDA; upcast once on CPU, which has no bf16 x bf16 -> fp32
+def addmm_fp32_(acc, a, b, inplace: bool = INPLACE_FP32_ADDMM):
+    """acc += a @ b, acc fp32 (or fp64), a and b of the GEMM dtype (bf16 operands accumulate in fp32 on CUDA)."""
+    if a.dtype == acc.dtype:
+        return acc.addmm_(a, b)
+    if inplace:
+        return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    return acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
+
+
+def gemm_weight(x, weight):
+    """The weight as the chunk GEMMs take it: as is on CUDA; upcast once on a CPU, which has no bf16 x bf16 -> fp32
     matmul (an extra fp32 copy of the weight, fine for the small models that train on a CPU)."""
     return weight if x.is_cuda else weight.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _chunk_logits(x_c, weight, bias, inv_t):
-    z = _mm_fp32(x_c, weight)  # [C, V]
+def chunk_logits(x_c, weight, bias, inv_t, out=None):
+    """Z = (x_c W^T + b) / T: [C, V], at least fp32 (into `out` when given: the chunk buffers are reused)."""
+    if out is not None and x_c.dtype == out.dtype:
+        z = torch.mm(x_c, weight.T, out=out)
+    else:
+        z = mm_fp32(x_c, weight)  # [C, V]
     if bias is not None:
-        z = z + bias.to(z.dtype)
-    return z.mul_(inv_t)
+        z += bias.to(z.dtype)
+    if inv_t != 1.0:
+        z *= inv_t
+    return z
+
+
+class TorchRows:
+    """The row passes over one chunk of logits in PyTorch. Z is consumed (it ends as scratch) and the gradient is
+    written over exp(Z - rowmax), in `e_out` when given, so a chunk costs Z plus one more [C, V] buffer, both
+    reusable across chunks (a fresh 32 MiB buffer per chunk costs page faults on a CPU)."""
+
+    def __init__(self, z, ids, e_out=None):
+        m = z.amax(-1, keepdim=True)  # [C, 1]
+        z -= m
+        self.e = torch.exp(z, out=e_out) if e_out is not None else torch.exp(z)  # [C, V]: exp(z - m)
+        self.s = self.e.sum(-1)  # [C]
+        self.log_s = self.s.log()
+        self.ids = ids
+        self.lse = m.view(-1) + self.log_s
+        self.logp = z.gather(1, ids[:, None]).view(-1) - self.log_s
+        t = z.mul_(self.e).sum(-1)  # [C] sum_v e (z - m), in place: a cascade sum (a bmm dot loses 1e-4 at V 152k)
+        self.entropy = self.log_s - t / self.s
+
+    def grad(self, g, h, scale, dtype):
+        """dZ [C, V] of dtype for L = sum g logp + h entropy, times scale: p (-(g + h (log p + H))) + g onehot."""
+        if h is not None:
+            # dZ = p (-(g + h (log p + H))) with log p = log(e) - log s: e carries log p exactly enough in fp32
+            # only away from underflow, so the entropy term recomputes it from e (0 where e underflows to 0).
+            log_p = torch.log(self.e).sub_(self.log_s[:, None])
+            coef = log_p.add_(self.entropy[:, None]).mul_(h[:, None]).add_(g[:, None]).neg_()
+            dz = self.e.mul_(coef).mul_((scale / self.s)[:, None]).nan_to_num_(0.0)
+        else:
+            dz = self.e.mul_((-scale * g / self.s)[:, None])  # -g p, p = e / s
+        dz.scatter_add_(1, self.ids[:, None], (scale * g)[:, None].to(dz.dtype))
+        return dz.to(dtype)
+
+
+class ChunkBuffers:
+    """Two [chunk, V] fp32 (>= input dtype) buffers reused by every chunk of a call on a CPU: Z and exp(Z - max)."""
+
+    def __init__(self, x, V, chunk):
+        shape, dtype = (min(chunk, x.shape[0]), V), torch.promote_types(x.dtype, torch.float32)
+        # CUDA: cuBLAS writes each chunk's Z and the Triton passes need no second buffer (the caching allocator
+        # reuses the chunk's memory); a CPU reuses these two.
+        self.z, self.e = (None, None) if x.is_cuda else (torch.empty(shape, dtype=dtype) for _ in range(2))
+
+    def rows(self, x_c, w, bias, inv_t, ids):
+        """The chunk's logits and row statistics (the rows' passes, ready for their gradient)."""
+        C = x_c.shape[0]
+        z = chunk_logits(x_c, w, bias, inv_t, out=None if x_c.is_cuda else self.z[:C])
+        if z.is_cuda:
+            from fastgrpo.kernels.logit_rows import TritonRows
+
+            return TritonRows(z, ids)
+        return TorchRows(z, ids, e_out=self.e[:C])
+
+
+def logprobs_no_grad(x, weight, bias, ids, temperature):
+    """x [N, H], ids [N] -> (logp [N], entropy [N]), at least fp32: one GEMM and the row statistics per chunk."""
+    N, V = x.shape[0], weight.shape[0]
+    out_dtype = torch.promote_types(x.dtype, torch.float32)
+    logp, ent = torch.empty(N, dtype=out_dtype, device=x.device), torch.empty(N, dtype=out_dtype, device=x.device)
+    w = gemm_weight(x, weight)
+    chunk = chunk_tokens(V, x.device)
+    buffers = ChunkBuffers(x, V, chunk)
+    for start in range(0, N, chunk):
+        sl = slice(start, start + chunk)
+        rows = buffers.rows(x[sl], w, bias, 1.0 / temperature, ids[sl])
+        logp[sl], ent[sl] = rows.logp, rows.entropy
+    return logp, ent
 
 
 class ChunkedLinearLogprobFunction(torch.autograd.Function):
-    """(x [N, H], weight [V, H], bias [V] | None, ids [N], temperature) -> (logp [N], entropy [N]), >= fp32."""
+    """(x [N, H], weight [V, H], bias [V] | None, ids [N], temperature) -> (logp [N], entropy [N]), >= fp32.
+
+    For callers that apply their own loss to the logprobs: the backward recomputes each chunk's logits."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, ids, temperature):
-        N, V = x.shape[0], weight.shape[0]
-        out_dtype = torch.promote_types(x.dtype, torch.float32)
-        logp, ent, lse = (torch.empty(N, dtype=out_dtype, device=x.device) for _ in range(3))
-        w = _matmul_weight(x, weight)
-        chunk = _chunk_tokens(V)
-        for start in range(0, N, chunk):
-            sl = slice(start, start + chunk)
-            z = _chunk_logits(x[sl], w, bias, 1.0 / temperature)  # [C, V]
-            lse[sl] = torch.logsumexp(z, dim=-1)  # [C]
-            z -= lse[sl, None]  # log-softmax, in place; centred so the entropy has no cancellation
-            logp[sl] = z.gather(-1, ids[sl, None]).squeeze(-1)
-            ent[sl] = -(z.exp() * z).sum(-1)
-        ctx.save_for_backward(x, weight, bias, ids, lse, ent)
+        logp, ent = logprobs_no_grad(x, weight, bias, ids, temperature)
+        ctx.save_for_backward(x, weight, bias, ids)
         ctx.temperature = temperature
         return logp, ent
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
-        x, weight, bias, ids, lse, ent = ctx.saved_tensors
-        N, V = x.shape[0], weight.shape[0]
+        x, weight, bias, ids = ctx.saved_tensors
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        grads = HeadGrads(x, weight, bias, need_dx, need_dw, need_db)
         inv_t = 1.0 / ctx.temperature
+        for sl in grads.chunks():
+            rows = grads.buffers.rows(x[sl], grads.w, bias, inv_t, ids[sl])
+            g = torch.zeros_like(rows.logp) if grad_logp is None else grad_logp[sl].to(rows.logp.dtype)
+            h = None if grad_ent is None else grad_ent[sl].to(rows.logp.dtype)
+            grads.add(sl, rows.grad(g, h, inv_t, grads.gemm_dtype))
+        return (*grads.result(), None, None)
+
+
+class HeadGrads:
+    """dX, dW, db of the head, filled chunk by chunk from dZ (GEMMs 2 and 3)."""
+
+    def __init__(self, x, weight, bias, need_dx=True, need_dw=True, need_db=True):
+        self.x, self.weight, self.bias = x, weight, bias
+        self.w = gemm_weight(x, weight)
+        self.buffers = ChunkBuffers(x, weight.shape[0], chunk_tokens(weight.shape[0], x.device))
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
-        w = _matmul_weight(x, weight)
-        need_dx, need_dw = ctx.needs_input_grad[:2]
-        dx = torch.empty_like(x) if need_dx else None
-        dw = torch.zeros(weight.shape, dtype=acc_dtype, device=x.device) if need_dw else None
-        db = None if bias is None else torch.zeros(V, dtype=acc_dtype, device=x.device)
-        chunk = _chunk_tokens(V)
-        for start in range(0, N, chunk):
-            sl = slice(start, start + chunk)
-            log_p = _chunk_logits(x[sl], w, bias, inv_t).sub_(lse[sl, None])  # [C, V]
-            p = log_p.exp()
-            dz = torch.zeros_like(log_p)
-            if grad_logp is not None:
-                g = grad_logp[sl, None].to(acc_dtype)  # [C, 1]
-                dz -= g * p
-                dz.scatter_add_(-1, ids[sl, None], g)
-            if grad_ent is not None:
-                # dH/dz = -p (log p + H): z - E_p[z] written without the cancellation of two large terms
-                dz -= grad_ent[sl, None].to(acc_dtype) * p * (log_p + ent[sl, None])
-            dz *= inv_t
-            if db is not None:
-                db += dz.sum(0)
-            if x.is_cuda and x.dtype != acc_dtype:
-                dz = dz.to(x.dtype)  # tensor-core operands; dW still accumulates in fp32 below
-                if need_dx:
-                    dx[sl] = dz @ weight
-                if need_dw:
-                    torch.addmm(dw, dz.T, x[sl], out_dtype=torch.float32, out=dw)
-            else:
-                if need_dx:
-                    dx[sl] = (dz @ w).to(x.dtype)
-                if need_dw:
-                    dw.addmm_(dz.T, x[sl].to(acc_dtype))
-        return (dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype), None,
-                None)
+        self.gemm_dtype = x.dtype if x.is_cuda else acc_dtype  # dZ's dtype: the GEMM operands'
+        self.dx = torch.empty_like(x) if need_dx else None  # [N, H]
+        self.dw = torch.zeros(weight.shape, dtype=acc_dtype, device=x.device) if need_dw else None  # [V, H]
+        self.db = torch.zeros(weight.shape[0], dtype=acc_dtype, device=x.device) if (
+            need_db and bias is not None) else None  # [V]
+
+    def chunks(self):
+        N, V = self.x.shape[0], self.weight.shape[0]
+        step = chunk_tokens(V, self.x.device)
+        return [slice(start, start + step) for start in range(0, N, step)]
+
+    def add(self, sl, dz):
+        """dZ [C, V] of the chunk x[sl]."""
+        if self.dx is not None:
+            self.dx[sl] = (dz @ self.w).to(self.x.dtype)
+        if self.dw is not None:
+            addmm_fp32_(self.dw, dz.T, self.x[sl].to(dz.dtype))
+        if self.db is not None:
+            self.db += dz.sum(0, dtype=self.db.dtype)
+
+    def result(self):
+        """(dX, dW, db) in the inputs' dtypes, None where not wanted."""
+        dw = None if self.dw is None else self.dw.to(self.weight.dtype)
+        db = None if self.db is None else self.db.to(self.bias.dtype)
+        return self.dx, dw, db

@@ -1,10 +1,12 @@
 """fastgrpo's public loss API: per-token logprobs and the GRPO loss, straight from hidden states.
 
 Backends (the environment variable FASTGRPO_BACKEND forces one):
-  auto       CUDA tensors -> triton (the chunked torch path under `torch.use_deterministic_algorithms(True)`,
-             since the kernels reduce gradients with atomics); CPU tensors -> torch
-  triton     the fused kernels in fastgrpo.kernels (on CPU only under TRITON_INTERPRET=1)
-  torch      the chunked PyTorch path (bounded memory) and the reference's elementwise loss math
+  auto       torch, on every device
+  torch      the default: chunked GEMMs (cuBLAS on a GPU) and memory-bound row passes (Triton kernels on CUDA,
+             PyTorch elsewhere), with the training loss's gradient computed in the forward (fastgrpo.grpo_head):
+             3 GEMMs, no atomics, deterministic
+  fused      (alias: triton) the fully fused Triton kernels of fastgrpo.kernels.logprob / grpo_token, opt-in: their
+             backward reduces dX and dW with fp32 atomics (on CPU only under TRITON_INTERPRET=1)
   reference  fastgrpo.reference: full logits; the yardstick
 
 The Triton kernels live in the repository's top-level `kernels/` folder, one op per file; setuptools installs that
@@ -18,12 +20,13 @@ import torch
 from torch import nn
 
 from fastgrpo import chunked, reference
+from fastgrpo.grpo_head import TokenInputs, grpo_head
 from fastgrpo.loss_config import CLIP_LOSS_TYPES, TOKEN_NORMALISED_LOSS_TYPES, LossConfig
 
 __all__ = ["LossConfig", "GRPOLoss", "token_logprobs", "grpo_loss", "fused_grpo_loss", "resolve_backend",
            "logit_transform"]
 
-BACKENDS = ("auto", "triton", "torch", "reference")
+BACKENDS = ("auto", "torch", "fused", "triton", "reference")
 # Model-config options that transform the logits after the lm_head (softcapping, scales, multipliers). The fused loss
 # scores `hidden @ W.T + b` only, so a model that sets any of them is not supported.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
@@ -46,12 +49,10 @@ def resolve_backend(device: torch.device) -> str:
         raise ValueError(f"FASTGRPO_BACKEND must be one of {BACKENDS}, got {choice!r}")
     interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if choice == "auto":
-        if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
-            return "triton"
         return "torch"
-    if choice == "triton" and device.type != "cuda" and not interpreted:
-        raise ValueError(f"FASTGRPO_BACKEND=triton needs CUDA tensors or TRITON_INTERPRET=1; tensors are on {device}")
-    return choice
+    if choice in ("fused", "triton") and device.type != "cuda" and not interpreted:
+        raise ValueError(f"FASTGRPO_BACKEND={choice} needs CUDA tensors or TRITON_INTERPRET=1; tensors are on {device}")
+    return "triton" if choice == "fused" else choice
 
 
 # -- input checks: every message names the argument and what was expected --------------------------------------
@@ -206,7 +207,7 @@ def _row_weights(mask, config, num_items_in_batch):
         norm = torch.tensor(float(B * config.max_completion_length), device=mask.device)
     elif t in TOKEN_NORMALISED_LOSS_TYPES:
         items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=mask.device)
-        norm = items.float().clamp(min=1.0)
+        norm = items.to(mask.dtype).clamp(min=1.0)
     else:  # luspo
         norm = torch.tensor(float(B), device=mask.device)
     return (1.0 / norm).expand(B).contiguous()
@@ -291,12 +292,40 @@ def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages,
         return reference.fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias=bias,
                                          old_logps=old_logps, ref_logps=ref_logps, config=config,
                                          num_items_in_batch=num_items_in_batch)
+    if backend == "torch":
+        return _head_grpo_loss(hidden, weight, bias, completion_ids, completion_mask, valid, advantages, old_logps,
+                               ref_logps, config, num_items_in_batch)
     logp, ent, index = _selected_logprobs(hidden, weight, bias, completion_ids, valid, config.temperature, backend)
     B, T = completion_mask.shape
     logps = logp.new_zeros(B * T).index_copy(0, index, logp).view(B, T)  # differentiable scatter
     entropies = ent.detach().new_zeros(B * T).index_copy_(0, index, ent.detach()).view(B, T)
     return _grpo_loss(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch,
                       entropies, backend)
+
+
+def _head_grpo_loss(hidden, weight, bias, completion_ids, completion_mask, valid, advantages, old_logps, ref_logps,
+                    config, num_items_in_batch):
+    """The default path: fastgrpo.grpo_head on the valid tokens (gradient in the forward), TRL's metrics from the
+    reference's math on the [B, T] logprobs (no gradient)."""
+    B, T, H = hidden.shape
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    index = valid.reshape(-1).nonzero().squeeze(1)  # [N] row-major
+    per_token = lambda t: None if t is None else t.reshape(-1)[index].detach().to(dtype)  # [B, T] -> [N]
+    per_row = advantages[:, None].expand(B, T) if advantages.dim() == 1 else advantages  # [B, T]
+    lengths = valid.sum(-1)  # [B]
+    tokens = TokenInputs(
+        advantages=per_token(per_row), old_logps=per_token(old_logps), ref_logps=per_token(ref_logps),
+        weights=_row_weights(completion_mask.to(dtype), config, num_items_in_batch)[index // T].to(dtype),
+        row_lengths=lengths[lengths > 0].tolist() if config.importance_sampling_level == "sequence" else None,
+    )  # fmt: skip
+    loss, logp, ent = grpo_head(hidden.reshape(-1, H)[index], weight, bias, completion_ids.reshape(-1)[index], tokens,
+                                config)
+    scatter = lambda t: t.new_zeros(B * T).index_copy_(0, index, t).view(B, T)  # [N] -> [B, T]
+    with torch.no_grad():
+        value, metrics = reference.grpo_loss(scatter(logp), completion_mask, advantages, old_logps=old_logps,
+                                             ref_logps=ref_logps, config=config,
+                                             num_items_in_batch=num_items_in_batch, entropies=scatter(ent))
+    return (value if loss is None else loss), metrics
 
 
 class GRPOLoss(nn.Module):

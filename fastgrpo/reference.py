@@ -30,14 +30,15 @@ def nan_reduce(x, fn):
     return fn(finite) if finite.numel() else torch.tensor(float("nan"), device=x.device)
 
 
-def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=None, config: LossConfig,
-              num_items_in_batch=None, entropies=None):
-    """TRL's GRPO loss from per-token logprobs [B, T]; returns (loss, metrics) with TRL's metric names."""
+def token_objective(logps, mask, advantages, old_logps, ref_logps, config: LossConfig):
+    """TRL's per-token objective before normalisation: logps / mask / old / ref [B, T], advantages [B, 1] or
+    [B, T] -> (per_token_loss [B, T] (or [B, 1] broadcastable), per_token_kl [B, T] or None, coef_1).
+
+    Masked positions never reach the result: logprobs there (often -inf or NaN padding) count as 0."""
     c = config
-    mask = completion_mask.to(logps.dtype)  # [B, T]
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1)  # [B, 1]
-    old_logps = logps.detach() if old_logps is None else old_logps
+    valid = mask != 0
+    logps = torch.where(valid, logps, 0.0)
+    old_logps = logps.detach() if old_logps is None else torch.where(valid, old_logps, 0.0)
     log_ratio = logps - old_logps  # [B, T]
     if c.importance_sampling_level == "token":
         log_importance_weights = log_ratio
@@ -45,25 +46,38 @@ def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=N
         log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [B, 1]
     coef_1 = torch.exp(log_importance_weights)
 
+    per_token_kl = None
     if c.beta != 0.0:
+        ref_logps = torch.where(valid, ref_logps, 0.0)
         per_token_kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1  # [B, T]
         if c.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
 
     if c.loss_type == "cispo":
         clamped_ratios = torch.clamp(coef_1, max=c.epsilon_high).detach()
-        per_token_loss = -clamped_ratios * advantages * logps
+        loss = -clamped_ratios * advantages * logps
     elif c.loss_type in CLIP_LOSS_TYPES:
         coef_2 = torch.clamp(coef_1, 1 - c.epsilon_low, 1 + c.epsilon_high)
         if c.delta is not None:
             coef_1 = torch.clamp(coef_1, max=c.delta)
-        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+        loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
     else:  # sapo
         temperatures = torch.where(advantages > 0, c.sapo_temperature_pos, c.sapo_temperature_neg)
-        per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * advantages
+        loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * advantages
 
     if c.beta != 0.0:
-        per_token_loss = per_token_loss + c.beta * per_token_kl
+        loss = loss + c.beta * per_token_kl
+    return loss, per_token_kl, coef_1
+
+
+def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=None, config: LossConfig,
+              num_items_in_batch=None, entropies=None):
+    """TRL's GRPO loss from per-token logprobs [B, T]; returns (loss, metrics) with TRL's metric names."""
+    c = config
+    mask = completion_mask.to(logps.dtype)  # [B, T]
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)  # [B, 1]
+    per_token_loss, per_token_kl, coef_1 = token_objective(logps, mask, advantages, old_logps, ref_logps, c)
 
     if c.loss_type in ("grpo", "sapo"):
         loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()

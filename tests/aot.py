@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fastgrpo.kernels import grpo_token, logprob, paged_attention
+from fastgrpo.kernels import grpo_token, logit_rows, logprob, paged_attention
 
 # The builds need real JIT functions: this module runs as its own process, without TRITON_INTERPRET.
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
@@ -130,6 +130,28 @@ KERNELS = {"logprob_fwd": fwd, "logprob_bwd": bwd, "logprob_bwd_dx_only": bwd_dx
            "paged_attention_prefill": lambda dt: attention(dt, decode=False)}
 GEMM_KERNELS = ("logprob_fwd", "logprob_bwd", "logprob_bwd_dx_only", "paged_attention_decode",
                 "paged_attention_prefill")
+
+
+def logit_row_stats(_dt):
+    """The row statistics over fp32 logits (z is fp32 only), softcap on."""
+    sig = dict(Z="*fp32", Ids="*i64", Out="*fp32", C="i32", V="i32", stride_z="i32", softcap="fp32")
+    block_v, warps = logit_rows.STATS_TILE
+    consts = dict(HAS_SOFTCAP=True, BLOCK_V=block_v, VEC=logit_rows._VEC)
+    return logit_rows._logit_row_stats_kernel, sig, consts, warps, 1
+
+
+def logit_row_grad(dt):
+    """The logit gradient over fp32 logits, written in `dt` (fp32: in place), softcap and entropy term on."""
+    sig = dict(Z="*fp32", Ids="*i64", Lse="*fp32", Ent="*fp32", G="*fp32", Hgrad="*fp32", Out=f"*{dt}", V="i32",
+               stride_z="i32", stride_out="i32", scale="fp32", softcap="fp32")
+    block_v, warps = logit_rows.GRAD_TILE[{"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dt]]
+    consts = dict(HAS_H=True, HAS_SOFTCAP=True, BLOCK_V=block_v)
+    return logit_rows._logit_row_grad_kernel, sig, consts, warps, 1
+
+
+KERNELS.update(logit_row_stats=logit_row_stats, logit_row_grad=logit_row_grad)
+# The row kernels read fp32 logits: they build per output dtype, not for test_aot's bf16 default.
+ROW_DTYPES = {"logit_row_stats": ("fp32",), "logit_row_grad": ("fp32", "bf16")}
 
 
 def build_all(cases):

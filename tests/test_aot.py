@@ -11,11 +11,13 @@ import pytest
 
 pytest.importorskip("triton")
 
-from aot import GEMM_KERNELS, KERNELS
+from aot import GEMM_KERNELS, KERNELS, ROW_DTYPES
 
 NAMES = tuple(KERNELS)
 CASES = [(name, dtype, cc) for name in NAMES for dtype in (("bf16", "fp16", "fp32") if name in GEMM_KERNELS else
                                                              ("bf16",)) for cc in (90, 80)]
+CASES = [case for case in CASES if case[0] not in ROW_DTYPES] + [
+    (name, dtype, cc) for name, dtypes in ROW_DTYPES.items() for dtype in dtypes for cc in (90, 80)]
 
 
 @pytest.fixture(scope="module")

@@ -367,7 +367,7 @@ LIGER_CHECK = """
 import sys
 from fastgrpo.train import TrainConfig, Trainer
 config = TrainConfig(model_name_or_path="builtin", dataset_name="builtin", use_liger_kernel=True, beta=0.04,
-                     output_dir=sys.argv[1], max_steps=1)
+                     max_completion_length=8, output_dir=sys.argv[1], max_steps=1)
 trainer = Trainer(config, device="cpu")
 for model in (trainer.model, trainer.ref_model):
     print(sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith("liger_kernel")}))

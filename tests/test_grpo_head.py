@@ -1,0 +1,210 @@
+"""The default path's gradient-in-forward contract (fastgrpo.grpo_head): the gradient follows the loss through
+scaling, sums, accumulation and retained graphs; long sequences take two passes; no-grad passes run one GEMM."""
+
+import pytest
+import torch
+from helpers import assert_no_worse, leaf, make_problem
+from test_grpo_loss import check, run
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastgrpo import chunked, grpo_head
+from fastgrpo.loss import LossConfig, fused_grpo_loss, token_logprobs
+from fastgrpo.loss_config import LOSS_TYPES
+
+GRADS = ("d_hidden", "d_weight", "d_bias")
+
+
+def _grads(p, config, combine, dtype=torch.float64):
+    """Gradients of combine(loss, x) w.r.t. hidden, weight, bias on the default path."""
+    x, w, b = leaf(p["hidden"], dtype), leaf(p["weight"], dtype), leaf(p["bias"], dtype)
+    loss, _ = fused_grpo_loss(x, w, p["ids"], p["mask"], p["adv"], bias=b, old_logps=p["old"],
+                              ref_logps=p["ref"] if config.beta else None, config=config)
+    combine(loss, x)
+    return dict(zip(GRADS, (x.grad, w.grad, b.grad), strict=True))
+
+
+@pytest.fixture(autouse=True)
+def default_backend(monkeypatch):
+    monkeypatch.setenv("FASTGRPO_BACKEND", "torch")
+
+
+CONFIG = LossConfig(loss_type="dapo", beta=0.04, epsilon_high=0.28)
+
+
+def test_scaled_loss_scales_every_gradient():
+    p = make_problem()
+    once = _grads(p, CONFIG, lambda loss, x: loss.backward())
+    twice = _grads(p, CONFIG, lambda loss, x: (2 * loss).backward())
+    for name in GRADS:
+        torch.testing.assert_close(twice[name], 2 * once[name], rtol=1e-12, atol=0)
+
+
+def test_loss_plus_another_term():
+    p = make_problem()
+    alone = _grads(p, CONFIG, lambda loss, x: loss.backward())
+    both = _grads(p, CONFIG, lambda loss, x: (loss + (x**2).sum()).backward())
+    x = p["hidden"].double()
+    torch.testing.assert_close(both["d_hidden"], alone["d_hidden"] + 2 * x, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(both["d_weight"], alone["d_weight"], rtol=0, atol=0)
+
+
+def test_retain_graph_second_backward_accumulates_the_same_gradient():
+    p = make_problem()
+    once = _grads(p, CONFIG, lambda loss, x: loss.backward())
+    twice = _grads(p, CONFIG, lambda loss, x: (loss.backward(retain_graph=True), loss.backward()))
+    for name in GRADS:
+        torch.testing.assert_close(twice[name], 2 * once[name], rtol=1e-12, atol=0)
+    # Without retain_graph the saved gradients are freed, and autograd says so.
+    x = leaf(p["hidden"], torch.float64)
+    loss, _ = fused_grpo_loss(x, leaf(p["weight"], torch.float64), p["ids"], p["mask"], p["adv"], config=CONFIG,
+                              ref_logps=p["ref"], old_logps=p["old"])
+    loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_micro_batch_accumulation_equals_one_batch(loss_type):
+    """Two half batches (dapo: normalised by the whole batch's tokens; grpo: each halved) accumulate the gradient of
+    the whole batch."""
+    p = make_problem()
+    config = LossConfig(loss_type=loss_type, beta=0.04)
+    x, w = leaf(p["hidden"], torch.float64), leaf(p["weight"], torch.float64)
+    items = p["mask"].sum() if loss_type == "dapo" else None
+    loss, _ = fused_grpo_loss(x, w, p["ids"], p["mask"], p["adv"], old_logps=p["old"], ref_logps=p["ref"],
+                              config=config, num_items_in_batch=items)
+    loss.backward()
+    whole = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    B = p["mask"].shape[0]
+    for half in (slice(0, B // 2), slice(B // 2, B)):
+        part, _ = fused_grpo_loss(x[half], w, p["ids"][half], p["mask"][half], p["adv"][half],
+                                  old_logps=p["old"][half], ref_logps=p["ref"][half], config=config,
+                                  num_items_in_batch=items)
+        (part if loss_type == "dapo" else part / 2).backward()
+    torch.testing.assert_close(x.grad, whole[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(w.grad, whole[1], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_sequence_longer_than_a_chunk_takes_two_passes(monkeypatch, loss_type):
+    """Sequence-level ratios with chunks of 4 tokens: rows of up to 9 tokens run two passes, and loss, gradients and
+    metrics still match the float64 reference."""
+    monkeypatch.setenv("FASTGRPO_CHUNK_TOKENS", "4")
+    before = grpo_head.STATS["two_pass_sequences"]
+    config = LossConfig(loss_type=loss_type, importance_sampling_level="sequence", beta=0.04, epsilon_high=0.28,
+                        max_completion_length=16)
+    check(monkeypatch, "torch", torch.float32, make_problem(), config)
+    assert grpo_head.STATS["two_pass_sequences"] > before
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_chunk_size_does_not_change_the_result(monkeypatch, level):
+    p = make_problem()
+    config = LossConfig(loss_type="grpo", importance_sampling_level=level, beta=0.04, temperature=0.7)
+    results = []
+    for tokens in ("3", "7", "100000"):
+        monkeypatch.setenv("FASTGRPO_CHUNK_TOKENS", tokens)
+        results.append(run(monkeypatch, "torch", torch.float64, p, config)[0])
+    for other in results[1:]:
+        for name in results[0]:
+            torch.testing.assert_close(other[name], results[0][name], rtol=1e-10, atol=1e-13)
+
+
+class CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.bmm):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_grad_runs_one_gemm_per_chunk_and_training_three(monkeypatch):
+    monkeypatch.setenv("FASTGRPO_CHUNK_TOKENS", "8")
+    p = make_problem()
+    chunks = -(-int((p["mask"] != 0).sum()) // 8)
+    x, w = leaf(p["hidden"], torch.float32), leaf(p["weight"], torch.float32)
+    args = (p["ids"], p["mask"], p["adv"])
+    kwargs = dict(old_logps=p["old"], ref_logps=p["ref"], config=CONFIG)
+    with torch.no_grad(), CountMatmuls() as counter:
+        fused_grpo_loss(x, w, *args, **kwargs)
+        token_logprobs(x, w, p["ids"].clamp(min=0))
+    assert counter.count == chunks + -(-p["ids"].numel() // 8)
+    with CountMatmuls() as counter:  # frozen head and hidden states (an old/ref pass outside no_grad)
+        fused_grpo_loss(x.detach(), w.detach(), *args, **kwargs)
+    assert counter.count == chunks
+    with CountMatmuls() as counter:
+        loss, _ = fused_grpo_loss(x, w, *args, **kwargs)
+        loss.backward()
+    assert counter.count == 3 * chunks  # logits, dX, dW per chunk; the backward only scales
+    with CountMatmuls() as counter:  # LoRA-style frozen head: no dW GEMM
+        loss, _ = fused_grpo_loss(x, w.detach(), *args, **kwargs)
+        loss.backward()
+    assert counter.count == 2 * chunks
+
+
+def test_no_grad_loss_equals_the_training_loss():
+    p = make_problem()
+    x, w = leaf(p["hidden"], torch.float64), leaf(p["weight"], torch.float64)
+    kwargs = dict(old_logps=p["old"], ref_logps=p["ref"], config=CONFIG)
+    with torch.no_grad():
+        frozen, frozen_metrics = fused_grpo_loss(x, w, p["ids"], p["mask"], p["adv"], **kwargs)
+    loss, metrics = fused_grpo_loss(x, w, p["ids"], p["mask"], p["adv"], **kwargs)
+    torch.testing.assert_close(loss.detach(), frozen, rtol=1e-12, atol=0)
+    assert metrics.keys() == frozen_metrics.keys()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_non_finite_old_and_ref_logps_on_masked_positions_do_not_reach_the_loss(bad):
+    p = make_problem()
+    padded = {k: p[k].masked_fill(p["mask"] == 0, bad) for k in ("old", "ref")}
+    assert (p["mask"] == 0).any()
+    got = _grads({**p, **padded}, CONFIG, lambda loss, x: loss.backward())
+    want = _grads(p, CONFIG, lambda loss, x: loss.backward())
+    for name in GRADS:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_fp32_accumulation_of_bf16_products_both_branches(inplace):
+    """addmm_fp32_'s two forms (in-place out_dtype addmm from torch 2.10, an added fp32 product before) give the same
+    fp32 accumulator; CPU has no bf16 x bf16 -> fp32 GEMM, so the branches run on meta tensors for shapes and
+    dtypes, and the fp32 result is checked against fp32 operands."""
+    acc = torch.zeros(5, 3, device="meta")
+    out = chunked.addmm_fp32_(acc, torch.empty(5, 7, dtype=torch.bfloat16, device="meta"),
+                              torch.empty(7, 3, dtype=torch.bfloat16, device="meta"), inplace=inplace)
+    assert out.dtype == torch.float32 and out.shape == (5, 3)
+    a, b = torch.randn(5, 7), torch.randn(7, 3)
+    acc = torch.ones(5, 3)
+    chunked.addmm_fp32_(acc, a, b, inplace=inplace)
+    torch.testing.assert_close(acc, 1 + a @ b)
+    assert chunked.INPLACE_FP32_ADDMM == (tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 10))
+
+
+def test_bf16_cpu_path_no_worse_than_torch(monkeypatch):
+    p = make_problem()
+    rounded = {k: (v.to(torch.bfloat16).double() if k in ("hidden", "weight", "bias") else v) for k, v in p.items()}
+    truth, _ = run(monkeypatch, "reference", torch.float64, rounded, CONFIG)
+    same, _ = run(monkeypatch, "reference", torch.bfloat16, p, CONFIG)
+    fast, _ = run(monkeypatch, "torch", torch.bfloat16, p, CONFIG)
+    for name in truth:
+        assert_no_worse(f"bf16/{name}", fast[name], same[name], truth[name], torch.bfloat16)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_triton_rows_match_torch_rows(with_entropy):
+    """The CUDA row passes (Triton, here under TRITON_INTERPRET=1 in fp32) give what the CPU's TorchRows give."""
+    pytest.importorskip("triton")
+    from fastgrpo.kernels.logit_rows import TritonRows
+
+    torch.manual_seed(0)
+    z, ids = torch.randn(5, 300) * 3, torch.randint(0, 300, (5,))
+    g, h = torch.randn(5), (torch.randn(5) if with_entropy else None)
+    cpu, tri = chunked.TorchRows(z.clone(), ids), TritonRows(z.clone(), ids)
+    for name in ("lse", "logp", "entropy"):
+        torch.testing.assert_close(getattr(tri, name), getattr(cpu, name), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tri.grad(g, h, 0.7, torch.float32), cpu.grad(g, h, 0.7, torch.float32), rtol=1e-5,
+                               atol=1e-6)

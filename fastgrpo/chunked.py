@@ -23,6 +23,7 @@ that is at most ~2 GiB of chunk on a GPU and 32 MiB on a CPU, plus the accumulat
 """
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -79,8 +80,22 @@ def gemm_weight(x, weight):
     return weight if x.is_cuda else weight.to(torch.promote_types(x.dtype, torch.float32))
 
 
+@dataclass(frozen=True)
+class LogitMap:
+    """What the loss scores: z = softcap * tanh(scale * (x W^T + b) / softcap), or scale * (x W^T + b) with no cap.
+    `scale` folds the model's logit scale and 1 / temperature, `softcap` is the model's cap / temperature (equal to
+    capping first and dividing by the temperature after)."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def of(cls, temperature: float, logit_scale: float = 1.0, logit_softcap: float | None = None) -> "LogitMap":
+        return cls(logit_scale / temperature, None if logit_softcap is None else logit_softcap / temperature)
+
+
 def chunk_logits(x_c, weight, bias, inv_t, out=None):
-    """Z = (x_c W^T + b) / T: [C, V], at least fp32 (into `out` when given: the chunk buffers are reused)."""
+    """scale * (x_c W^T + b): [C, V], at least fp32 (into `out` when given: the chunk buffers are reused)."""
     if out is not None and x_c.dtype == out.dtype:
         z = torch.mm(x_c, weight.T, out=out)
     else:
@@ -97,7 +112,13 @@ class TorchRows:
     written over exp(Z - rowmax), in `e_out` when given, so a chunk costs Z plus one more [C, V] buffer, both
     reusable across chunks (a fresh 32 MiB buffer per chunk costs page faults on a CPU)."""
 
-    def __init__(self, z, ids, e_out=None):
+    def __init__(self, z, ids, e_out=None, entropy=True, softcap=None, keep_cap_grad=True):
+        self.cap_grad = None  # d capped / d z = 1 - tanh^2, [C, V] (softcap only)
+        if softcap is not None:
+            th = z.div_(softcap).tanh_()
+            if keep_cap_grad:
+                self.cap_grad = 1 - th * th
+            z = th.mul_(softcap)
         m = z.amax(-1, keepdim=True)  # [C, 1]
         z -= m
         self.e = torch.exp(z, out=e_out) if e_out is not None else torch.exp(z)  # [C, V]: exp(z - m)
@@ -106,8 +127,10 @@ class TorchRows:
         self.ids = ids
         self.lse = m.view(-1) + self.log_s
         self.logp = z.gather(1, ids[:, None]).view(-1) - self.log_s
-        t = z.mul_(self.e).sum(-1)  # [C] sum_v e (z - m), in place: a cascade sum (a bmm dot loses 1e-4 at V 152k)
-        self.entropy = self.log_s - t / self.s
+        self.entropy = None
+        if entropy:
+            t = z.mul_(self.e).sum(-1)  # [C] sum_v e (z - m) in place; a cascade sum (a bmm dot loses 1e-4 at 152k)
+            self.entropy = self.log_s - t / self.s
 
     def grad(self, g, h, scale, dtype):
         """dZ [C, V] of dtype for L = sum g logp + h entropy, times scale: p (-(g + h (log p + H))) + g onehot."""
@@ -120,6 +143,8 @@ class TorchRows:
         else:
             dz = self.e.mul_((-scale * g / self.s)[:, None])  # -g p, p = e / s
         dz.scatter_add_(1, self.ids[:, None], (scale * g)[:, None].to(dz.dtype))
+        if self.cap_grad is not None:
+            dz *= self.cap_grad
         return dz.to(dtype)
 
 
@@ -132,42 +157,48 @@ class ChunkBuffers:
         # reuses the chunk's memory); a CPU reuses these two.
         self.z, self.e = (None, None) if x.is_cuda else (torch.empty(shape, dtype=dtype) for _ in range(2))
 
-    def rows(self, x_c, w, bias, inv_t, ids):
-        """The chunk's logits and row statistics (the rows' passes, ready for their gradient)."""
+    def rows(self, x_c, w, bias, logits: LogitMap, ids, entropy=True, grad=True):
+        """The chunk's logits and row statistics (ready for their gradient unless grad=False); entropy=False
+        (no-grad passes that do not want it) saves two of the CPU's passes over Z (the Triton pass reads Z once
+        either way)."""
         C = x_c.shape[0]
-        z = chunk_logits(x_c, w, bias, inv_t, out=None if x_c.is_cuda else self.z[:C])
+        z = chunk_logits(x_c, w, bias, logits.scale, out=None if x_c.is_cuda else self.z[:C])
         if z.is_cuda:
             from fastgrpo.kernels.logit_rows import TritonRows
 
-            return TritonRows(z, ids)
-        return TorchRows(z, ids, e_out=self.e[:C])
+            return TritonRows(z, ids, logits.softcap)
+        return TorchRows(z, ids, e_out=self.e[:C], entropy=entropy, softcap=logits.softcap, keep_cap_grad=grad)
 
 
-def logprobs_no_grad(x, weight, bias, ids, temperature):
-    """x [N, H], ids [N] -> (logp [N], entropy [N]), at least fp32: one GEMM and the row statistics per chunk."""
+def logprobs_no_grad(x, weight, bias, ids, logits: LogitMap, entropy=True):
+    """x [N, H], ids [N] -> (logp [N], entropy [N] or None), at least fp32: one GEMM and the row statistics per
+    chunk."""
     N, V = x.shape[0], weight.shape[0]
     out_dtype = torch.promote_types(x.dtype, torch.float32)
-    logp, ent = torch.empty(N, dtype=out_dtype, device=x.device), torch.empty(N, dtype=out_dtype, device=x.device)
+    logp = torch.empty(N, dtype=out_dtype, device=x.device)
+    ent = torch.empty(N, dtype=out_dtype, device=x.device) if entropy else None
     w = gemm_weight(x, weight)
     chunk = chunk_tokens(V, x.device)
     buffers = ChunkBuffers(x, V, chunk)
     for start in range(0, N, chunk):
         sl = slice(start, start + chunk)
-        rows = buffers.rows(x[sl], w, bias, 1.0 / temperature, ids[sl])
-        logp[sl], ent[sl] = rows.logp, rows.entropy
+        rows = buffers.rows(x[sl], w, bias, logits, ids[sl], entropy, grad=False)
+        logp[sl] = rows.logp
+        if entropy:
+            ent[sl] = rows.entropy
     return logp, ent
 
 
 class ChunkedLinearLogprobFunction(torch.autograd.Function):
-    """(x [N, H], weight [V, H], bias [V] | None, ids [N], temperature) -> (logp [N], entropy [N]), >= fp32.
+    """(x [N, H], weight [V, H], bias [V] | None, ids [N], LogitMap) -> (logp [N], entropy [N]), >= fp32.
 
     For callers that apply their own loss to the logprobs: the backward recomputes each chunk's logits."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, ids, temperature):
-        logp, ent = logprobs_no_grad(x, weight, bias, ids, temperature)
+    def forward(ctx, x, weight, bias, ids, logits):
+        logp, ent = logprobs_no_grad(x, weight, bias, ids, logits)
         ctx.save_for_backward(x, weight, bias, ids)
-        ctx.temperature = temperature
+        ctx.logits = logits
         return logp, ent
 
     @staticmethod
@@ -175,12 +206,11 @@ class ChunkedLinearLogprobFunction(torch.autograd.Function):
         x, weight, bias, ids = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         grads = HeadGrads(x, weight, bias, need_dx, need_dw, need_db)
-        inv_t = 1.0 / ctx.temperature
         for sl in grads.chunks():
-            rows = grads.buffers.rows(x[sl], grads.w, bias, inv_t, ids[sl])
+            rows = grads.buffers.rows(x[sl], grads.w, bias, ctx.logits, ids[sl])
             g = torch.zeros_like(rows.logp) if grad_logp is None else grad_logp[sl].to(rows.logp.dtype)
             h = None if grad_ent is None else grad_ent[sl].to(rows.logp.dtype)
-            grads.add(sl, rows.grad(g, h, inv_t, grads.gemm_dtype))
+            grads.add(sl, rows.grad(g, h, ctx.logits.scale, grads.gemm_dtype))
         return (*grads.result(), None, None)
 
 

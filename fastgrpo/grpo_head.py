@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo import reference
-from fastgrpo.chunked import HeadGrads, chunk_tokens, logprobs_no_grad
+from fastgrpo.chunked import HeadGrads, LogitMap, chunk_tokens, logprobs_no_grad
 from fastgrpo.loss_config import LossConfig
 
 STATS = {"two_pass_sequences": 0}
@@ -32,6 +32,8 @@ class TokenInputs:
     old_logps: torch.Tensor | None  # fp32; None: on-policy
     ref_logps: torch.Tensor | None  # fp32; None: beta = 0
     row_lengths: list[int] | None  # sequence level: selected tokens per row (rows with none left out); else None
+    importance_weights: torch.Tensor | None = None  # fp32: the sampler's IS correction of the policy term
+    entropy_weight: float = 0.0  # the entropy bonus: loss -= entropy_coef / tokens * sum_n entropy_n
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ def _objective_and_grad(logp, unit: _Unit, tokens: TokenInputs, config: LossConf
             mask = filled.to(lp.dtype)
         objective, _, _ = reference.token_objective(rows(lp), mask, rows(part(tokens.advantages)),
                                                     rows(part(tokens.old_logps)), rows(part(tokens.ref_logps)),
-                                                    config)  # [r, L]
+                                                    config, rows(part(tokens.importance_weights)))  # [r, L]
         loss = (objective * mask * rows(part(tokens.weights))).sum()
         (g,) = torch.autograd.grad(loss, lp)
     return loss.detach(), g
@@ -83,7 +85,7 @@ def _objective_and_grad(logp, unit: _Unit, tokens: TokenInputs, config: LossConf
 def _loss_and_grads(x, weight, bias, ids, tokens: TokenInputs, config: LossConfig, need):
     """(loss, logp [N], entropy [N], HeadGrads) for x [N, H], ids [N]."""
     N, V = x.shape[0], weight.shape[0]
-    inv_t = 1.0 / config.temperature
+    logits = LogitMap.of(config.temperature, config.logit_scale, config.logit_softcap)
     out_dtype = torch.promote_types(x.dtype, torch.float32)
     logp, ent = torch.empty(N, dtype=out_dtype, device=x.device), torch.empty(N, dtype=out_dtype, device=x.device)
     grads = HeadGrads(x, weight, bias, *need)
@@ -92,23 +94,33 @@ def _loss_and_grads(x, weight, bias, ids, tokens: TokenInputs, config: LossConfi
     for unit in _units(N, chunk, tokens.row_lengths):
         if unit.end - unit.start <= chunk:
             sl = slice(unit.start, unit.end)
-            rows = grads.buffers.rows(x[sl], grads.w, bias, inv_t, ids[sl])
+            rows = grads.buffers.rows(x[sl], grads.w, bias, logits, ids[sl])
             logp[sl], ent[sl] = rows.logp, rows.entropy
             part, g = _objective_and_grad(rows.logp, unit, tokens, config)
-            grads.add(sl, rows.grad(g, None, inv_t, grads.gemm_dtype))
+            part, h = _entropy_bonus(part, rows.entropy, tokens)
+            grads.add(sl, rows.grad(g, h, logits.scale, grads.gemm_dtype))
         else:  # one sequence longer than a chunk: its logprobs first, then its chunks' logits again
             STATS["two_pass_sequences"] += 1
             pieces = [slice(s, min(s + chunk, unit.end)) for s in range(unit.start, unit.end, chunk)]
             for sl in pieces:
-                rows = grads.buffers.rows(x[sl], grads.w, bias, inv_t, ids[sl])
+                rows = grads.buffers.rows(x[sl], grads.w, bias, logits, ids[sl], grad=False)
                 logp[sl], ent[sl] = rows.logp, rows.entropy
             part, g = _objective_and_grad(logp[unit.start : unit.end], unit, tokens, config)
+            part, h = _entropy_bonus(part, ent[unit.start : unit.end], tokens)
             for sl in pieces:
-                rows = grads.buffers.rows(x[sl], grads.w, bias, inv_t, ids[sl])
-                g_sl = g[sl.start - unit.start : sl.stop - unit.start]
-                grads.add(sl, rows.grad(g_sl, None, inv_t, grads.gemm_dtype))
+                rows = grads.buffers.rows(x[sl], grads.w, bias, logits, ids[sl])
+                within = slice(sl.start - unit.start, sl.stop - unit.start)
+                grads.add(sl, rows.grad(g[within], None if h is None else h[within], logits.scale, grads.gemm_dtype))
         loss += part
     return loss, logp, ent, grads
+
+
+def _entropy_bonus(part, entropy, tokens: TokenInputs):
+    """(part minus the bonus of these tokens, h = d loss / d entropy [n] or None)."""
+    if tokens.entropy_weight == 0.0:
+        return part, None
+    h = torch.full_like(entropy, -tokens.entropy_weight)
+    return part + (h * entropy).sum(), h
 
 
 class GRPOHeadFunction(torch.autograd.Function):
@@ -136,8 +148,8 @@ class GRPOHeadFunction(torch.autograd.Function):
 def grpo_head(x, weight, bias, ids, tokens: TokenInputs, config: LossConfig):
     """(loss or None, logp [N], entropy [N]); the loss carries the gradient when autograd wants one, else only
     the logprobs are computed (one GEMM and the row statistics per chunk) and the loss is None."""
-    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if not wants_grad:
-        logp, ent = logprobs_no_grad(x, weight, bias, ids, config.temperature)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
+        logits = LogitMap.of(config.temperature, config.logit_scale, config.logit_softcap)
+        logp, ent = logprobs_no_grad(x, weight, bias, ids, logits)
         return None, logp, ent
     return GRPOHeadFunction.apply(x, weight, bias, ids, tokens, config)

@@ -117,9 +117,15 @@ def _check_config(config):
 
 
 def _check_loss_inputs(like_name, like, completion_mask, advantages, old_logps, ref_logps, config,
-                       num_items_in_batch):
+                       num_items_in_batch, importance_weights=None):
     """Checks of everything but the policy's logprobs, which are [B, T] = like.shape[:2] on like.device."""
     B, T = like.shape[:2]
+    if importance_weights is not None:
+        _check_float("importance_weights", importance_weights)
+        if importance_weights.shape not in ((B,), (B, 1), (B, T)):
+            raise ValueError(f"importance_weights must have shape [{B}], [{B}, 1] or [{B}, {T}], got "
+                             f"{tuple(importance_weights.shape)}")
+        _check_same_device(like_name, like, importance_weights=importance_weights)
     if not isinstance(completion_mask, torch.Tensor) or completion_mask.shape != (B, T):
         raise ValueError(f"completion_mask must be a tensor of shape {(B, T)} (as {like_name}), got "
                          f"{tuple(getattr(completion_mask, 'shape', ()))}")
@@ -156,7 +162,7 @@ def _token_offsets(hidden, index):
     return offsets.reshape(-1)[index]
 
 
-def _selected_logprobs(hidden, weight, bias, token_ids, valid, temperature, backend):
+def _selected_logprobs(hidden, weight, bias, token_ids, valid, logits: chunked.LogitMap, backend):
     """logp and entropy [N] fp32 (>= fp32) of the tokens where `valid` ([...] bool, or None for all), plus their
     flat index into hidden's leading dims."""
     H = hidden.shape[-1]
@@ -167,31 +173,52 @@ def _selected_logprobs(hidden, weight, bias, token_ids, valid, temperature, back
     if backend == "triton":
         from fastgrpo.kernels.logprob import LinearLogprobFunction
 
+        if logits.softcap is not None:
+            raise ValueError("FASTGRPO_BACKEND=fused does not apply a logit softcap; use the default backend")
         if hidden.stride(-1) != 1:
             hidden = hidden.contiguous()
         return (*LinearLogprobFunction.apply(hidden, weight.contiguous(), bias, index, _token_offsets(hidden, index),
-                                             ids, float(temperature)), index)
+                                             ids, 1.0 / logits.scale), index)  # the kernel divides
     x = hidden.reshape(-1, H)[index]  # [N, H]
-    return (*chunked.ChunkedLinearLogprobFunction.apply(x, weight, bias, ids, float(temperature)), index)
+    return (*chunked.ChunkedLinearLogprobFunction.apply(x, weight, bias, ids, logits), index)
 
 
-def token_logprobs(hidden, weight, token_ids, *, bias=None, temperature=1.0, return_entropy=False):
+def _check_logit_map(temperature, logit_scale, logit_softcap) -> chunked.LogitMap:
+    _check_temperature(temperature)
+    LossConfig(logit_scale=logit_scale, logit_softcap=logit_softcap)  # their checks
+    return chunked.LogitMap.of(float(temperature), float(logit_scale),
+                               None if logit_softcap is None else float(logit_softcap))
+
+
+def token_logprobs(hidden, weight, token_ids, *, bias=None, temperature=1.0, return_entropy=False, logit_scale=1.0,
+                   logit_softcap=None):
     """Per-token log-probabilities (and entropies) of `token_ids` under the lm_head, without full-vocab logits.
 
     hidden [..., H], weight [V, H], bias [V] or None, token_ids [...] -> (logp [...], entropy [...] or None), fp32
     (fp64 for fp64 inputs); differentiable w.r.t. hidden, weight and bias. Exact equivalent:
     `F.linear(hidden, weight, bias).float().div(temperature).log_softmax(-1).gather(-1, ids[..., None])[..., 0]`,
-    except that the logits are never rounded to the input dtype.
+    except that the logits are never rounded to the input dtype. A model's `logit_scale` multiplies the logits and
+    its `logit_softcap` caps them (`softcap * tanh(logits / softcap)`) before the temperature, as in
+    `fastgrpo.reference.token_logprobs`.
     """
     _check_head(hidden, weight, bias, token_ids)
-    _check_temperature(temperature)
+    logits = _check_logit_map(temperature, logit_scale, logit_softcap)
     backend = resolve_backend(hidden.device)
     if backend == "reference":
         return reference.token_logprobs(hidden, weight, token_ids, bias=bias, temperature=temperature,
-                                        return_entropy=return_entropy)
-    logp, ent, _ = _selected_logprobs(hidden, weight, bias, token_ids, None, temperature, backend)
+                                        return_entropy=return_entropy, logit_scale=logit_scale,
+                                        logit_softcap=logit_softcap)
     shape = token_ids.shape
+    if backend == "torch" and not _wants_grad(hidden, weight, bias):  # old / ref / eval passes: one GEMM per chunk
+        logp, ent = chunked.logprobs_no_grad(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
+                                             token_ids.reshape(-1), logits, entropy=return_entropy)
+        return logp.view(shape), ent.view(shape) if return_entropy else None
+    logp, ent, _ = _selected_logprobs(hidden, weight, bias, token_ids, None, logits, backend)
     return logp.view(shape), ent.view(shape) if return_entropy else None
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _row_weights(mask, config, num_items_in_batch):
@@ -243,10 +270,12 @@ def _kernel_metrics(row_stats, mask, advantages, config, entropies):
 
 
 def _grpo_loss(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch, entropies,
-               backend):
-    if backend != "triton":
+               backend, importance_weights=None):
+    # The row kernel covers neither the IS correction nor the entropy bonus: the reference's math runs them.
+    if backend != "triton" or importance_weights is not None or config.entropy_coef != 0.0:
         return reference.grpo_loss(logps, completion_mask, advantages, old_logps=old_logps, ref_logps=ref_logps,
-                                   config=config, num_items_in_batch=num_items_in_batch, entropies=entropies)
+                                   config=config, num_items_in_batch=num_items_in_batch, entropies=entropies,
+                                   importance_weights=importance_weights)
     from fastgrpo.kernels.grpo_token import GRPOTokenLossFunction
 
     f32 = lambda t: None if t is None else t.detach().to(torch.float32).contiguous()
@@ -259,23 +288,28 @@ def _grpo_loss(logps, completion_mask, advantages, old_logps, ref_logps, config,
 
 
 def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=None, config: LossConfig,
-              num_items_in_batch=None, entropies=None):
+              num_items_in_batch=None, entropies=None, importance_weights=None):
     """The GRPO loss of TRL 1.16 from per-token logprobs.
 
     logps [B, T] (differentiable), completion_mask [B, T], advantages [B] or [B, T], old_logps / ref_logps [B, T]
-    (old_logps=None: on-policy, `logps.detach()`), entropies [B, T] (optional, for the `entropy` metric).
+    (old_logps=None: on-policy, `logps.detach()`), entropies [B, T] (the `entropy` metric; required, and
+    differentiable, for config.entropy_coef != 0), importance_weights [B], [B, 1] or [B, T] (the sampler's truncated
+    IS correction, TRL's importance_sampling_ratio: multiplies the policy term, not the KL).
     Returns (loss [], metrics: dict of 0-dim tensors with TRL's names).
     Exact equivalent: `fastgrpo.reference.grpo_loss`.
     """
     _check_config(config)
     _check_float("logps", logps, ndim=2)
-    _check_loss_inputs("logps", logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch)
+    _check_loss_inputs("logps", logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch,
+                       importance_weights)
+    if config.entropy_coef != 0.0 and entropies is None:
+        raise ValueError(f"entropies is required when config.entropy_coef != 0 (entropy_coef = {config.entropy_coef})")
     return _grpo_loss(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch,
-                      entropies, resolve_backend(logps.device))
+                      entropies, resolve_backend(logps.device), importance_weights)
 
 
 def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, *, bias=None, old_logps=None,
-                    ref_logps=None, config: LossConfig, num_items_in_batch=None):
+                    ref_logps=None, config: LossConfig, num_items_in_batch=None, importance_weights=None):
     """The GRPO loss straight from the policy's last hidden states, never forming the [B, T, V] logits.
 
     hidden [B, T, H] (the states that predict completion_ids), weight [V, H] (lm_head), bias [V] or None,
@@ -284,27 +318,31 @@ def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages,
     """
     _check_config(config)
     _check_float("hidden", hidden, ndim=3)
-    _check_loss_inputs("hidden", hidden, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch)
+    _check_loss_inputs("hidden", hidden, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch,
+                       importance_weights)
     valid = completion_mask != 0
     _check_head(hidden, weight, bias, completion_ids, valid)
     backend = resolve_backend(hidden.device)
     if backend == "reference":
         return reference.fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias=bias,
                                          old_logps=old_logps, ref_logps=ref_logps, config=config,
-                                         num_items_in_batch=num_items_in_batch)
+                                         num_items_in_batch=num_items_in_batch, importance_weights=importance_weights)
     if backend == "torch":
         return _head_grpo_loss(hidden, weight, bias, completion_ids, completion_mask, valid, advantages, old_logps,
-                               ref_logps, config, num_items_in_batch)
-    logp, ent, index = _selected_logprobs(hidden, weight, bias, completion_ids, valid, config.temperature, backend)
+                               ref_logps, config, num_items_in_batch, importance_weights)
+    logits = chunked.LogitMap.of(config.temperature, config.logit_scale, config.logit_softcap)
+    logp, ent, index = _selected_logprobs(hidden, weight, bias, completion_ids, valid, logits, backend)
     B, T = completion_mask.shape
     logps = logp.new_zeros(B * T).index_copy(0, index, logp).view(B, T)  # differentiable scatter
-    entropies = ent.detach().new_zeros(B * T).index_copy_(0, index, ent.detach()).view(B, T)
+    if config.entropy_coef == 0.0:
+        ent = ent.detach()
+    entropies = ent.new_zeros(B * T).index_copy(0, index, ent).view(B, T)
     return _grpo_loss(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch,
-                      entropies, backend)
+                      entropies, backend, importance_weights)
 
 
 def _head_grpo_loss(hidden, weight, bias, completion_ids, completion_mask, valid, advantages, old_logps, ref_logps,
-                    config, num_items_in_batch):
+                    config, num_items_in_batch, importance_weights):
     """The default path: fastgrpo.grpo_head on the valid tokens (gradient in the forward), TRL's metrics from the
     reference's math on the [B, T] logprobs (no gradient)."""
     B, T, H = hidden.shape
@@ -313,17 +351,20 @@ def _head_grpo_loss(hidden, weight, bias, completion_ids, completion_mask, valid
     per_token = lambda t: None if t is None else t.reshape(-1)[index].detach().to(dtype)  # [B, T] -> [N]
     per_row = advantages[:, None].expand(B, T) if advantages.dim() == 1 else advantages  # [B, T]
     lengths = valid.sum(-1)  # [B]
+    if importance_weights is not None and importance_weights.shape != (B, T):
+        importance_weights = importance_weights.reshape(B, 1).expand(B, T)  # one weight per sequence
     tokens = TokenInputs(
         advantages=per_token(per_row), old_logps=per_token(old_logps), ref_logps=per_token(ref_logps),
         weights=_row_weights(completion_mask.to(dtype), config, num_items_in_batch)[index // T].to(dtype),
         row_lengths=lengths[lengths > 0].tolist() if config.importance_sampling_level == "sequence" else None,
+        importance_weights=per_token(importance_weights), entropy_weight=config.entropy_coef / max(index.numel(), 1),
     )  # fmt: skip
     loss, logp, ent = grpo_head(hidden.reshape(-1, H)[index], weight, bias, completion_ids.reshape(-1)[index], tokens,
                                 config)
     scatter = lambda t: t.new_zeros(B * T).index_copy_(0, index, t).view(B, T)  # [N] -> [B, T]
     with torch.no_grad():
         value, metrics = reference.grpo_loss(scatter(logp), completion_mask, advantages, old_logps=old_logps,
-                                             ref_logps=ref_logps, config=config,
+                                             ref_logps=ref_logps, config=config, importance_weights=importance_weights,
                                              num_items_in_batch=num_items_in_batch, entropies=scatter(ent))
     return (value if loss is None else loss), metrics
 

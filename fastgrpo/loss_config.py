@@ -18,7 +18,10 @@ class LossConfig:
 
     `epsilon_low` is TRL's `epsilon`; `epsilon_high=None` means equal to `epsilon_low` (TRL's rule). For `cispo`,
     `epsilon_high` is the absolute cap of the importance weight (ScaleRL recommends 5.0). `max_completion_length` is
-    the `dr_grpo` normaliser. `sapo_temperature_*` are SAPO's gate temperatures.
+    the `dr_grpo` normaliser. `sapo_temperature_*` are SAPO's gate temperatures. `entropy_coef` is TRL's static
+    entropy bonus: `loss - entropy_coef * (masked mean entropy)`. `logit_scale` and `logit_softcap` describe the model's
+    head (Cohere's `logit_scale`, Gemma 2's `final_logit_softcapping`): the logits the loss scores are
+    `softcap * tanh(scale * (x W^T + b) / softcap) / temperature` (no tanh when `logit_softcap` is None).
     """
 
     loss_type: str = "dapo"
@@ -32,13 +35,16 @@ class LossConfig:
     max_completion_length: int = 512
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    entropy_coef: float = 0.0
+    logit_scale: float = 1.0
+    logit_softcap: float | None = None
 
     @classmethod
     def from_trl(cls, args) -> "LossConfig":
         """The loss options of `args`, any object with TRL's `GRPOConfig` names (a `GRPOConfig`, fastgrpo's
         `TrainConfig`); a None takes the default. An invalid value raises the same error, naming both spellings
         of a renamed option."""
-        values = {name: getattr(args, TRL_NAMES.get(name, name)) for name in cls.__dataclass_fields__}
+        values = {name: getattr(args, TRL_NAMES.get(name, name), None) for name in cls.__dataclass_fields__}
         values = {name: value for name, value in values.items() if value is not None}
         try:
             return cls(**values)
@@ -55,7 +61,12 @@ class LossConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        for name in ("temperature", "sapo_temperature_pos", "sapo_temperature_neg"):
+        if not (isinstance(self.entropy_coef, (int, float)) and math.isfinite(self.entropy_coef)):
+            raise ValueError(f"entropy_coef must be a finite number, got {self.entropy_coef!r}")
+        if self.logit_softcap is not None and not (isinstance(self.logit_softcap, (int, float))
+                                                   and math.isfinite(self.logit_softcap) and self.logit_softcap > 0):
+            raise ValueError(f"logit_softcap must be None or a finite number > 0, got {self.logit_softcap!r}")
+        for name in ("temperature", "sapo_temperature_pos", "sapo_temperature_neg", "logit_scale"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")

@@ -208,3 +208,89 @@ def test_triton_rows_match_torch_rows(with_entropy):
         torch.testing.assert_close(getattr(tri, name), getattr(cpu, name), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tri.grad(g, h, 0.7, torch.float32), cpu.grad(g, h, 0.7, torch.float32), rtol=1e-5,
                                atol=1e-6)
+
+
+def _three_way(monkeypatch, p, config, importance_weights=None, dtype=torch.float32):
+    """The default path vs float64 truth and the same-dtype reference: loss and gradients (hidden, weight, bias)."""
+    def once(backend, dt, problem):
+        monkeypatch.setenv("FASTGRPO_BACKEND", backend)
+        x, w, b = leaf(problem["hidden"], dt), leaf(problem["weight"], dt), leaf(problem["bias"], dt)
+        loss, metrics = fused_grpo_loss(x, w, problem["ids"], problem["mask"], problem["adv"], bias=b,
+                                        old_logps=problem["old"], ref_logps=problem["ref"] if config.beta else None,
+                                        config=config, importance_weights=importance_weights)
+        loss.backward()
+        return {"loss": loss.detach(), "d_hidden": x.grad, "d_weight": w.grad, "d_bias": b.grad}, metrics
+
+    rounded = {k: (v.to(dtype).double() if k in ("hidden", "weight", "bias") else v) for k, v in p.items()}
+    truth, truth_metrics = once("reference", torch.float64, rounded)
+    same, _ = once("reference", dtype, p)
+    fast, metrics = once("torch", dtype, p)
+    for name in truth:
+        assert_no_worse(f"{name}", fast[name], same[name], truth[name], dtype)
+    assert metrics.keys() == truth_metrics.keys()
+    return truth
+
+
+HEAD_OPTIONS = [
+    dict(entropy_coef=0.05),
+    dict(entropy_coef=-0.02, importance_sampling_level="sequence"),
+    dict(logit_softcap=3.0, temperature=0.8),
+    dict(logit_scale=0.5, beta=0.04),
+    dict(logit_softcap=2.0, logit_scale=1.5, entropy_coef=0.1, importance_sampling_level="sequence", beta=0.04),
+]
+
+
+@pytest.mark.parametrize("chunk", ["4", "100000"])
+@pytest.mark.parametrize("options", HEAD_OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo"])
+def test_entropy_bonus_and_logit_transforms_match_float64(monkeypatch, options, loss_type, chunk):
+    monkeypatch.setenv("FASTGRPO_CHUNK_TOKENS", chunk)
+    _three_way(monkeypatch, make_problem(), LossConfig(loss_type=loss_type, **options))
+
+
+@pytest.mark.parametrize("shape", ["token", "sequence"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_importance_weights_match_float64(monkeypatch, shape, level):
+    """The sampler's truncated IS correction: [B, T] (token modes) or [B] (sequence modes) weights."""
+    p = make_problem()
+    B, T = p["mask"].shape
+    weights = torch.rand(B, T) * 2 if shape == "token" else torch.rand(B) * 2
+    truth = _three_way(monkeypatch, p, LossConfig(loss_type="grpo", importance_sampling_level=level, beta=0.04),
+                       importance_weights=weights)
+    plain = _three_way(monkeypatch, p, LossConfig(loss_type="grpo", importance_sampling_level=level, beta=0.04))
+    assert not torch.allclose(truth["d_hidden"], plain["d_hidden"]), "the weights must matter"
+
+
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_token_logprobs_with_logit_transforms(monkeypatch, softcap):
+    p = make_problem()
+    ids = p["ids"].clamp(min=0)
+    kwargs = dict(temperature=0.9, logit_scale=1.3, logit_softcap=softcap, return_entropy=True)
+    outs = {}
+    for backend, dtype in (("reference", torch.float64), ("reference", torch.float32), ("torch", torch.float32)):
+        monkeypatch.setenv("FASTGRPO_BACKEND", backend)
+        x, w = leaf(p["hidden"], dtype), leaf(p["weight"], dtype)
+        logp, ent = token_logprobs(x, w, ids, **kwargs)
+        (logp.sum() + 0.3 * ent.sum()).backward()
+        outs[backend, dtype] = {"logp": logp.detach(), "entropy": ent.detach(), "d_hidden": x.grad,
+                                "d_weight": w.grad}
+    for name in outs["torch", torch.float32]:
+        assert_no_worse(name, outs["torch", torch.float32][name], outs["reference", torch.float32][name],
+                        outs["reference", torch.float64][name], torch.float32)
+
+
+def test_entropy_coef_needs_entropies_in_grpo_loss():
+    from fastgrpo.loss import grpo_loss
+
+    p = make_problem()
+    with pytest.raises(ValueError, match="entropies is required"):
+        grpo_loss(p["old"].clone().requires_grad_(), p["mask"], p["adv"], config=LossConfig(entropy_coef=0.1))
+
+
+def test_bad_importance_weights_and_softcap_are_named():
+    p = make_problem()
+    x, w = leaf(p["hidden"], torch.float32), leaf(p["weight"], torch.float32)
+    with pytest.raises(ValueError, match="importance_weights must have shape"):
+        fused_grpo_loss(x, w, p["ids"], p["mask"], p["adv"], config=LossConfig(), importance_weights=torch.ones(3))
+    with pytest.raises(ValueError, match="logit_softcap must be None or a finite number > 0"):
+        LossConfig(logit_softcap=0.0)

@@ -186,6 +186,7 @@ def logprobs_no_grad(x, weight, bias, ids, logits: LogitMap, entropy=True):
         logp[sl] = rows.logp
         if entropy:
             ent[sl] = rows.entropy
+        del rows  # the chunk's logits go before the next chunk's arrive
     return logp, ent
 
 
@@ -211,6 +212,7 @@ class ChunkedLinearLogprobFunction(torch.autograd.Function):
             g = torch.zeros_like(rows.logp) if grad_logp is None else grad_logp[sl].to(rows.logp.dtype)
             h = None if grad_ent is None else grad_ent[sl].to(rows.logp.dtype)
             grads.add(sl, rows.grad(g, h, ctx.logits.scale, grads.gemm_dtype))
+            del rows
         return (*grads.result(), None, None)
 
 

@@ -99,6 +99,7 @@ def _loss_and_grads(x, weight, bias, ids, tokens: TokenInputs, config: LossConfi
             part, g = _objective_and_grad(rows.logp, unit, tokens, config)
             part, h = _entropy_bonus(part, rows.entropy, tokens)
             grads.add(sl, rows.grad(g, h, logits.scale, grads.gemm_dtype))
+            del rows  # the chunk's logits go before the next chunk's arrive
         else:  # one sequence longer than a chunk: its logprobs first, then its chunks' logits again
             STATS["two_pass_sequences"] += 1
             pieces = [slice(s, min(s + chunk, unit.end)) for s in range(unit.start, unit.end, chunk)]
@@ -133,8 +134,9 @@ class GRPOHeadFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, ids, tokens, config):
         need = ctx.needs_input_grad[:3]
         loss, logp, ent, grads = _loss_and_grads(x, weight, bias, ids, tokens, config, need)
-        ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in grads.result()))
-        ctx.has = [t is not None for t in grads.result()]
+        result = grads.result()  # (dX, dW, db), None where not wanted
+        ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in result))
+        ctx.has = [t is not None for t in result]
         ctx.mark_non_differentiable(logp, ent)
         return loss, logp, ent
 

@@ -24,13 +24,15 @@ from fastgrpo.grpo_head import TokenInputs, grpo_head
 from fastgrpo.loss_config import CLIP_LOSS_TYPES, TOKEN_NORMALISED_LOSS_TYPES, LossConfig
 
 __all__ = ["LossConfig", "GRPOLoss", "token_logprobs", "grpo_loss", "fused_grpo_loss", "resolve_backend",
-           "logit_transform"]
+           "logit_transform", "head_transform"]
 
 BACKENDS = ("auto", "torch", "fused", "triton", "reference")
-# Model-config options that transform the logits after the lm_head (softcapping, scales, multipliers). The fused loss
-# scores `hidden @ W.T + b` only, so a model that sets any of them is not supported.
+# Model-config options that transform the logits after the lm_head (softcapping, scales, multipliers).
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
                     "output_multiplier_scale", "lm_head_multiplier")
+# The ones the loss applies (LossConfig.logit_scale / logit_softcap): Gemma 2/3's cap, Cohere's scale (logits times
+# it) and Granite's logits_scaling (logits divided by it).
+SUPPORTED_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def logit_transform(model_config) -> tuple[str, object] | None:
@@ -40,6 +42,20 @@ def logit_transform(model_config) -> tuple[str, object] | None:
         if getattr(config, name, None) is not None:
             return name, getattr(config, name)
     return None
+
+
+def head_transform(model_config) -> dict:
+    """The model's logit transform as LossConfig / token_logprobs keywords {logit_scale, logit_softcap}; ValueError
+    (starting "config.<name>=<value>:") for a transform the loss does not apply."""
+    config = model_config.get_text_config()
+    for name in LOGIT_TRANSFORMS:
+        value = getattr(config, name, None)
+        if value is not None and name not in SUPPORTED_LOGIT_TRANSFORMS:
+            raise ValueError(f"config.{name}={value}: fastgrpo's head applies only {SUPPORTED_LOGIT_TRANSFORMS}")
+    scale = getattr(config, "logit_scale", None)
+    scaling = getattr(config, "logits_scaling", None)
+    return {"logit_scale": float((1.0 if scale is None else scale) / (1.0 if scaling is None else scaling)),
+            "logit_softcap": getattr(config, "final_logit_softcapping", None)}
 
 
 def resolve_backend(device: torch.device) -> str:

@@ -405,6 +405,60 @@ def test_off_policy_mask_matches_trl(workdir):
     assert min(keep.sum() for _, keep, _ in stock.masks) < BATCH  # step 2 drops a sequence
 
 
+@pytest.mark.parametrize(("loss_type", "extra"), [
+    ("dapo", dict(gradient_accumulation_steps=2, steps_per_generation=4)),
+    ("grpo", dict(gradient_accumulation_steps=2, num_iterations=2, beta=0.04)),
+    ("bnpo", dict(num_iterations=2, off_policy_mask_threshold=0.0)),
+])
+def test_entropy_bonus_matches_trl(workdir, loss_type, extra):
+    """TRL's static entropy bonus (entropy_coef): its gradient flows through the entropy into the head; the logged
+    policy_loss is TRL's too."""
+    path, tokenizer = workdir
+    options = dict(loss_type=loss_type, **EXTRA[loss_type], entropy_coef=0.05, **extra)
+    stock = _train(path, tokenizer, GRPOTrainer, **options)
+    fast = _train(path, tokenizer, FastGRPOTrainer, **options)
+    _assert_same_training(stock, fast, _initial(path))
+    policy = [[log["policy_loss"] for log in run.state.log_history if "policy_loss" in log] for run in (fast, stock)]
+    assert len(policy[1]) == 2
+    torch.testing.assert_close(torch.tensor(policy[0]), torch.tensor(policy[1]), **LOSS_TOL)
+    # The bonus changes the training: without it the first step's head gradient differs far beyond the tolerance.
+    plain = _train(path, tokenizer, FastGRPOTrainer, **{**options, "entropy_coef": 0.0})
+    head, plain_head = fast.first_grads["lm_head.weight"], plain.first_grads["lm_head.weight"]
+    assert (head - plain_head).abs().max() > 100 * GRAD_REL * head.abs().max()
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo"])
+def test_importance_sampling_correction_matches_trl(workdir, loss_type):
+    """vLLM's truncated IS ratio (TRL's `importance_sampling_ratio` input) weighs the policy term as in TRL: both
+    trainers' `_compute_loss` on the same batch with a given ratio (vLLM itself is not installed here)."""
+    path, tokenizer = workdir
+    options = dict(loss_type=loss_type, **EXTRA[loss_type])  # beta 0: a KL to random reference logprobs explodes
+    runs = [_train(path, tokenizer, cls, train=False, **options) for cls in (GRPOTrainer, FastGRPOTrainer)]
+    torch.manual_seed(3)
+    B, P, T = 4, 3, 5
+    inputs = {"prompt_ids": torch.randint(3, VOCAB_WORDS, (B, P)), "prompt_mask": torch.ones(B, P, dtype=torch.long),
+              "completion_ids": torch.randint(3, VOCAB_WORDS, (B, T)),
+              "advantages": torch.tensor([1.0, -0.5, 0.3, -1.2]),
+              "completion_mask": torch.tensor([[1] * 5, [1] * 3 + [0] * 2, [1] * 4 + [0], [1] * 5]),
+              "importance_sampling_ratio": torch.rand(B, T) * 2}
+    inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
+    results = []
+    for trainer in runs:
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.model.zero_grad(set_to_none=True)
+        loss = trainer._compute_loss(trainer.model, inputs)
+        loss.backward()
+        results.append((loss.detach(), {n: q.grad.clone() for n, q in trainer.model.named_parameters()}))
+    (fast_loss, fast_grads), (stock_loss, stock_grads) = results[1], results[0]
+    torch.testing.assert_close(fast_loss, stock_loss, **LOSS_TOL)
+    for name, want in stock_grads.items():
+        assert (fast_grads[name] - want).abs().max() <= GRAD_REL * want.abs().max(), name
+    runs[1].vllm_importance_sampling_correction = False  # the ratio matters
+    runs[1].model.zero_grad(set_to_none=True)
+    assert not torch.allclose(runs[1]._compute_loss(runs[1].model, inputs).detach(), stock_loss, **LOSS_TOL)
+
+
 @pytest.mark.parametrize("loss_type", ["dapo", "luspo"])
 def test_mask_truncated_completions_matches_trl(workdir, loss_type):
     path, tokenizer = workdir
@@ -484,10 +538,9 @@ def _processor():
 # (constructor options, text the error must hold, the REFUSALS entry it hits or None for a GRPOConfig check)
 UNSUPPORTED = [
     pytest.param(dict(loss_type="vespo"), "loss_type='vespo'", None, id="vespo"),
-    pytest.param(dict(entropy_coef=0.01), "entropy_coef=0.01", "entropy_coef", id="entropy_coef"),
+    pytest.param(dict(entropy_coef=0.01, top_entropy_quantile=0.5), "entropy_coef=0.01 with top_entropy_quantile=0.5",
+                 "entropy_coef", id="entropy_coef_top_entropy"),
     pytest.param(dict(use_adaptive_entropy=True), "use_adaptive_entropy=True", "entropy_coef", id="adaptive_entropy"),
-    pytest.param(dict(use_vllm=True), "vllm_importance_sampling_correction=True",
-                 "vllm_importance_sampling_correction", id="vllm_is_correction"),
     pytest.param(dict(epsilon=-0.1), "epsilon_low must be a finite number >= 0", None, id="bad_epsilon"),
     pytest.param(dict(loss_type="dr_grpo", max_completion_length=None), "needs max_completion_length", None,
                  id="dr_grpo"),
@@ -497,10 +550,8 @@ UNSUPPORTED = [
     pytest.param(dict(processing_class=_processor), "vision-language models", "vision_language", id="vlm"),
     pytest.param(dict(model=_moe_model, router_aux_loss_coef=0.01), "router_aux_loss_coef=0.01",
                  "router_aux_loss_coef", id="moe_aux_loss"),
-    pytest.param(dict(model_config={"final_logit_softcapping": 30.0}), "config.final_logit_softcapping=30.0",
-                 "logit_transform", id="softcapping"),
-    pytest.param(dict(model_config={"logit_scale": 0.5}), "config.logit_scale=0.5", "logit_transform",
-                 id="logit_scale"),
+    pytest.param(dict(model_config={"lm_head_multiplier": 2.0}), "config.lm_head_multiplier=2.0", "logit_transform",
+                 id="lm_head_multiplier"),
     pytest.param(dict(model_config={"tie_last_hidden_states": False}), "tie_last_hidden_states=False",
                  "tie_last_hidden_states", id="untied_last_hidden_state"),
 ]

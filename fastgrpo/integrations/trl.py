@@ -20,6 +20,7 @@ Exact equivalent: `trl.GRPOTrainer._compute_loss` (tested in fp32 to 1e-5, tests
 fastgrpo cannot reproduce exactly raise a `ValueError` naming the option when the trainer is built (`REFUSALS`).
 """
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from fastgrpo.loss import LOGIT_TRANSFORMS, fused_grpo_loss, grpo_loss, logit_transform, token_logprobs
+from fastgrpo.loss import LOGIT_TRANSFORMS, fused_grpo_loss, grpo_loss, head_transform, token_logprobs
 from fastgrpo.loss_config import LOSS_TYPES, TOKEN_NORMALISED_LOSS_TYPES, LossConfig
 
 # trl versions whose GRPOTrainer internals this module was written against and tested with (1.16.0).
@@ -59,8 +60,10 @@ __all__ = ["FastGRPOTrainer", "REFUSALS", "SUPPORTED_TRL", "check_trl_version"]
 
 
 def _entropy_bonus(args, *_):
-    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
-        return f"entropy_coef={args.entropy_coef}, use_adaptive_entropy={args.use_adaptive_entropy}"
+    if args.use_adaptive_entropy:
+        return f"use_adaptive_entropy=True (entropy_coef={args.entropy_coef})"
+    if args.entropy_coef != 0.0 and args.top_entropy_quantile < 1.0:
+        return f"entropy_coef={args.entropy_coef} with top_entropy_quantile={args.top_entropy_quantile}"
     return None
 
 
@@ -88,8 +91,11 @@ def _vision(args=None, peft_config=None, processing_class=None, *, trainer=None)
 
 
 def _logit_transform(*_, trainer):
-    transform = logit_transform(trainer.accelerator.unwrap_model(trainer.model).config)
-    return None if transform is None else f"config.{transform[0]}={transform[1]}"
+    try:
+        head_transform(trainer.accelerator.unwrap_model(trainer.model).config)
+    except ValueError as error:
+        return str(error).split(":")[0]
+    return None
 
 
 def _untied_last_hidden_state(*_, trainer):
@@ -110,12 +116,9 @@ class Refusal:
 
 # What FastGRPOTrainer refuses, and why: read by the checks below and by the tests.
 REFUSALS = {
-    "vllm_importance_sampling_correction": Refusal(
-        "fastgrpo does not apply the vLLM importance-sampling ratio; set vllm_importance_sampling_correction=False",
-        lambda args, *_: ("use_vllm=True with vllm_importance_sampling_correction=True"
-                          if args.use_vllm and args.vllm_importance_sampling_correction else None), ("args",)),
-    "entropy_coef": Refusal("the entropy bonus needs a gradient through the entropy; set entropy_coef=0.0 and "
-                            "use_adaptive_entropy=False", _entropy_bonus, ("args",)),
+    "entropy_coef": Refusal("fastgrpo applies TRL's static entropy bonus over the completion mask only (no adaptive "
+                            "coefficient, no top-entropy mask); set use_adaptive_entropy=False and "
+                            "top_entropy_quantile=1.0, or entropy_coef=0.0", _entropy_bonus, ("args",)),
     "fsdp": Refusal("the lm_head weight is read whole, not gathered from shards", _sharded, ("args", "trainer")),
     "peft_prompt_learning": Refusal("virtual tokens change the hidden-state positions", _prompt_learning,
                                     ("args", "trainer")),
@@ -125,7 +128,7 @@ REFUSALS = {
         lambda *_, trainer: f"router_aux_loss_coef={trainer.router_aux_loss_coef}" if trainer.aux_loss_enabled
         else None, ("trainer",)),
     "logit_transform": Refusal(
-        "fastgrpo's head computes hidden @ weight.T / temperature, with no logit scaling or softcapping (it refuses "
+        "fastgrpo's head applies logit_scale, logits_scaling and final_logit_softcapping only (of "
         + ", ".join(LOGIT_TRANSFORMS) + ")", _logit_transform, ("trainer",)),
     "tie_last_hidden_states": Refusal("hidden_states[-1] would not be the final-norm output",
                                       _untied_last_hidden_state, ("trainer",)),
@@ -166,7 +169,8 @@ class FastGRPOTrainer(GRPOTrainer):
             _loss_config(given["args"])
         super().__init__(*args, **kwargs)
         _refuse("trainer", trainer=self)
-        self.loss_config = _loss_config(self.args)
+        self.head = head_transform(self.accelerator.unwrap_model(self.model).config)  # logit_scale, logit_softcap
+        self.loss_config = dataclasses.replace(_loss_config(self.args), **self.head)
 
     # -- hidden states and logprobs ----------------------------------------------------------------------------------
 
@@ -196,7 +200,7 @@ class FastGRPOTrainer(GRPOTrainer):
         """
         with torch.autocast(hidden.device.type, enabled=False):
             logp, entropy = token_logprobs(hidden[valid].to(weight.dtype), weight, token_ids[valid], bias=bias,
-                                           temperature=self.temperature, return_entropy=True)  # [N], [N]
+                                           temperature=self.temperature, return_entropy=True, **self.head)  # [N]
         zeros = logp.new_zeros(valid.shape)
         return zeros.masked_scatter(valid, logp), zeros.masked_scatter(valid, entropy)
 
@@ -234,9 +238,15 @@ class FastGRPOTrainer(GRPOTrainer):
         weight, bias = self._lm_head(model)
         advantages = inputs["advantages"]  # [B] (or [B, T] from subclasses)
         old_logps = inputs.get("old_per_token_logps")  # [B, T] or None: on-policy
+        scale, accumulation = self._loss_scale(mode), self.current_gradient_accumulation_steps if mode == "train" else 1
+        # TRL's entropy bonus is a mean over the tokens divided by the accumulation steps only, never by the loss
+        # type's normaliser: after `loss * scale` below it must be entropy_coef / accumulation.
+        bonus = self.loss_config.entropy_coef / (accumulation * scale)
+        config = dataclasses.replace(self.loss_config, entropy_coef=bonus)
+        correct = self.use_vllm and self.vllm_importance_sampling_correction  # the sampler's truncated IS ratio
         loss_inputs = dict(
             old_logps=old_logps, ref_logps=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
-            config=self.loss_config,
+            config=config, importance_weights=inputs["importance_sampling_ratio"] if correct else None,
             # dapo / cispo divide by the generation batch's token count; _loss_scale rescales it as TRL does
             num_items_in_batch=inputs["num_items_in_batch"] if self.loss_type in TOKEN_NORMALISED_LOSS_TYPES else None,
         )
@@ -251,7 +261,7 @@ class FastGRPOTrainer(GRPOTrainer):
             if self.off_policy_mask_threshold is not None:
                 sampling = inputs.get("sampling_per_token_logps", logps.detach() if old_logps is None else old_logps)
                 keep = keep * self.get_off_policy_mask(per_row, logps, sampling, mask, self.off_policy_mask_threshold)
-            loss, _ = grpo_loss(logps, mask, per_row * keep, **loss_inputs)
+            loss, _ = grpo_loss(logps, mask, per_row * keep, entropies=entropies, **loss_inputs)
             with torch.no_grad():  # TRL's clip metrics read the unmasked advantages
                 _, metrics = grpo_loss(logps.detach(), mask, advantages, entropies=entropies.detach(), **loss_inputs)
         else:
@@ -259,7 +269,14 @@ class FastGRPOTrainer(GRPOTrainer):
                 loss, metrics = fused_grpo_loss(hidden.to(weight.dtype), weight, completion_ids, mask, advantages,
                                                 bias=bias, **loss_inputs)
         self._log_loss_metrics(metrics, mask, advantages, mode)
-        return loss * self._loss_scale(mode)
+        if config.entropy_coef != 0.0:  # TRL's policy_loss: the policy term as its normaliser leaves it
+            policy = (loss.detach() + config.entropy_coef * metrics["entropy"]) * scale
+            if self.loss_type not in TOKEN_NORMALISED_LOSS_TYPES:
+                policy = policy * accumulation
+            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy.reshape(1)).nanmean().item())
+            if mode == "train" and self.accelerator.sync_gradients:  # logged per optimizer step, as TRL
+                self._metrics[mode]["entropy_coef"].append(self.loss_config.entropy_coef)
+        return loss * scale
 
     def _loss_scale(self, mode):
         """What turns fastgrpo's loss into TRL's: TRL divides by the accumulation steps in training, and for dapo /

@@ -1,8 +1,12 @@
 """`fastgrpo train`: options generated from TrainConfig's fields, on top of a YAML config or the built-in recipe."""
 
 import argparse
+import contextlib
 import dataclasses
+import shlex
+import signal
 import sys
+import threading
 import typing
 from pathlib import Path
 
@@ -59,6 +63,41 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**overrides)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt, so that the run stops the same way."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set signal handlers
+        yield
+        return
+
+    def terminated(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stopped_message(trainer, stop: KeyboardInterrupt) -> str:
+    """What Ctrl-C or SIGTERM prints instead of a traceback: where the last checkpoint is and how to resume."""
+    how = "SIGTERM" if isinstance(stop, Terminated) else "Ctrl-C"
+    if trainer is None:
+        return f"fastgrpo train: stopped by {how} before training began\n"
+    from fastgrpo.train import checkpoint
+
+    out, last = trainer.output_dir, checkpoint.latest(trainer.output_dir)
+    if last is None:
+        return (f"fastgrpo train: stopped by {how} before the first checkpoint, so there is nothing to resume in "
+                f"{out}; to start over, run the same command with --overwrite-output-dir\n")
+    resume = shlex.join(["fastgrpo", "train", "--output-dir", str(out), "--resume"])
+    return f"fastgrpo train: stopped by {how}; the last checkpoint is {last}; resume with:\n  {resume}\n"
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     try:
         config = resolve_config(args)
@@ -67,12 +106,23 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     import datasets
     from transformers.utils import logging
 
-    from fastgrpo.train.trainer import Trainer
-
     datasets.disable_progress_bars()  # the run has its own progress bar
     logging.disable_progress_bar()
+    trainer = None
+    with _sigterm_raises():
+        try:
+            trainer = _trainer(config, parser)
+            return trainer.train()
+        except KeyboardInterrupt as stop:
+            status = 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)  # the shell's codes
+            parser.exit(status, stopped_message(trainer, stop))
+
+
+def _trainer(config: TrainConfig, parser: argparse.ArgumentParser):
+    """The Trainer; an error found while it checks the output folder and loads is one line, not a traceback."""
+    from fastgrpo.train.trainer import Trainer
+
     try:
-        trainer = Trainer(config)
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError) as e:
+        return Trainer(config)
+    except (ValueError, TypeError, OSError, ImportError) as e:
         parser.exit(2, f"fastgrpo train: error: {e}\n")
-    return trainer.train()

@@ -16,15 +16,35 @@ PLOT_FILE = "training_curves.png"
 
 
 def read_metrics(output_dir: Path, up_to_step: int | None = None) -> list[dict]:
+    """The rows of metrics.jsonl (up to a step). A torn last line, left by a killed write, is dropped with a warning;
+    a bad line before it is an error naming the line. Non-finite numbers (written by older versions) read as None."""
     path = Path(output_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            if number < len(lines):
+                raise ValueError(f"{path}, line {number}: not a JSON row ({e}); delete or fix that line") from None
+            warnings.warn(f"{path}: dropped its last line, cut short by a killed write ({line[:40]!r}...)",
+                          stacklevel=2)
+            continue
+        rows.append({key: _plain(value) for key, value in row.items()})
     return [r for r in rows if up_to_step is None or r["step"] <= up_to_step]
 
 
+def _json_line(row: dict) -> str:
+    """One row as strict JSON: non-finite numbers are null (json.dumps would write the invalid `Infinity`)."""
+    return json.dumps({key: _plain(value) for key, value in row.items()}, allow_nan=False) + "\n"
+
+
 class MetricsLog:
-    """One JSON line per step in metrics.jsonl, mirrored to the configured sinks.
+    """One JSON line per step in metrics.jsonl, mirrored to the configured sinks. Every line is strict JSON.
 
     On resume the file is cut back to the checkpoint's step first, so it reads as one uninterrupted run.
     """
@@ -33,7 +53,7 @@ class MetricsLog:
         self.path = Path(output_dir) / METRICS_FILE
         self.history = read_metrics(output_dir, resume_step) if resume_step is not None else []
         partial = self.path.with_suffix(".partial")
-        partial.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        partial.write_text("".join(map(_json_line, self.history)))
         partial.replace(self.path)
         self.tensorboard = self.wandb = None
         if "tensorboard" in report_to:
@@ -55,7 +75,7 @@ class MetricsLog:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.history.append(row)
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(_json_line(row))
         for key, value in row.items():
             if key != "step" and isinstance(value, (int, float)) and self.tensorboard is not None:
                 self.tensorboard.add_scalar(key, value, step)
@@ -70,8 +90,9 @@ class MetricsLog:
 
 
 def _plain(value):
+    """A Python scalar; NaN and +-inf (a reward of 1e39 is inf in float32) as None, JSON's null."""
     value = value.item() if hasattr(value, "item") else value
-    return None if isinstance(value, float) and math.isnan(value) else value
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def plot(history: list[dict], path: Path) -> Path:

@@ -16,7 +16,6 @@ gradient_accumulation_steps, except dapo/cispo, which divide by the loss tokens 
 
 import datetime
 import math
-import shutil
 import time
 import zlib
 from collections import defaultdict
@@ -30,7 +29,7 @@ from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES
 from fastgrpo.memory import peak_memory, reset_peak_memory
 from fastgrpo.models import find_hf_model, stop_token_ids
 from fastgrpo.sampling import Engine, SamplingParams
-from fastgrpo.train import checkpoint
+from fastgrpo.train import checkpoint, run_dir
 from fastgrpo.train.config import TrainConfig
 from fastgrpo.train.data import PromptOrder, eval_subset, load_rows, prepare
 from fastgrpo.train.logs import (
@@ -54,6 +53,7 @@ from fastgrpo.train.model import (
 )
 from fastgrpo.train.rewards import Rewards, accuracy
 from fastgrpo.train.rollout import Rollout, group_advantages, micro_batch, micro_batches
+from fastgrpo.train.run_dir import RunDir
 
 RESERVED_REWARD_ARGS = ("prompts", "completions", "completion_ids")
 
@@ -74,9 +74,44 @@ class Trainer:
         self.config = config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.output_dir = _output_dir(config)
-        resume_from = self._prepare_output_dir()
-        torch.manual_seed(config.seed)  # LoRA's initial weights
+        self.folder = RunDir(self.output_dir)
+        resume_from, replaced = self._claim_output_dir()
+        try:
+            self._load(resume_from)
+            run_dir.delete(replaced)  # the old run goes only now that the new one has its model and data
+            self.log = MetricsLog(self.output_dir, config.report_to, config.to_dict(),
+                                  self.step if resume_from is not None else None)
+            config.save_yaml(self.output_dir / "config.yaml")
+        except BaseException:
+            self.folder.release(remove_new=True)
+            raise
 
+    def _claim_output_dir(self) -> tuple[Path | None, list[Path]]:
+        """Checks the output folder before anything loads, then locks it. Until every check passes the folder is
+        only read, so a refused run changes nothing. Returns the checkpoint to resume from and what
+        overwrite_output_dir replaces."""
+        out, config = self.output_dir, self.config
+        run_dir.check_writable(out)
+        run_dir.check_free(out)
+        resume_from, replaced = None, []
+        if config.resume:
+            resume_from, step = checkpoint.resume_point(out)
+            if config.max_steps <= step:
+                raise ValueError(f"resume: max_steps {config.max_steps} is not past the step of {resume_from} "
+                                 f"({step}); pass --max-steps greater than {step} to train on")
+        elif run_dir.contents(out):
+            if not config.overwrite_output_dir:
+                raise FileExistsError(f"output_dir {out} already holds files; pass resume to continue that run or "
+                                      "overwrite_output_dir to replace it")
+            replaced = run_dir.replaceable(out)
+        self.folder.lock()
+        return resume_from, replaced
+
+    def _load(self, resume_from: Path | None) -> None:
+        """Tokenizer, prompts, rewards, policy (a checkpoint's weights on resume), reference, engine, optimizer and
+        schedule, and on resume the optimizer, schedule, RNG and data position."""
+        config = self.config
+        torch.manual_seed(config.seed)  # LoRA's initial weights
         self.tokenizer = load_tokenizer(config)
         self.train_prompts = prepare(load_rows(config, "train"), self.tokenizer, config, "train")
         eval_rows = load_rows(config, "test") if config.answer_column is not None else None
@@ -109,25 +144,6 @@ class Trainer:
             self.step, self.num_tokens, self.seconds = state["step"], state["num_tokens"], state["seconds"]
             self.initial_accuracy = state["initial_accuracy"]
             self.order.load_state_dict(state["data"])
-        config.save_yaml(self.output_dir / "config.yaml")
-        self.log = MetricsLog(self.output_dir, config.report_to, config.to_dict(),
-                              self.step if resume_from is not None else None)
-
-    def _prepare_output_dir(self) -> Path | None:
-        """Returns the checkpoint to resume from; never deletes a run unless overwrite_output_dir says so."""
-        out, config = self.output_dir, self.config
-        if config.resume:
-            found = checkpoint.latest(out)
-            if found is None:
-                raise FileNotFoundError(f"resume: {out} holds no checkpoint to resume from")
-            return found
-        if out.exists() and any(out.iterdir()):
-            if not config.overwrite_output_dir:
-                raise FileExistsError(f"output_dir {out} already holds files; pass resume to continue that run or "
-                                      "overwrite_output_dir to replace it")
-            shutil.rmtree(out)
-        out.mkdir(parents=True, exist_ok=True)
-        return None
 
     def _seed(self, *key) -> int:
         """A seed per (run seed, step, purpose): sampling and shuffles do not depend on what ran before."""
@@ -136,6 +152,13 @@ class Trainer:
     # -- the loop --
 
     def train(self) -> dict:
+        """Trains to max_steps; the output folder's lock is released when this returns or raises."""
+        try:
+            return self._train()
+        finally:
+            self.folder.release()
+
+    def _train(self) -> dict:
         config = self.config
         if self.step == 0:
             self.initial_accuracy = self.evaluate()

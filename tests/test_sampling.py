@@ -283,7 +283,7 @@ def test_state_is_restored_after_an_error():
 
     hook = model.model.layers[0].register_forward_hook(boom)
     with pytest.raises(RuntimeError, match="boom"):
-        Engine(model).generate([[5, 6, 7]], n=2)
+        Engine(model).generate([[5, 6, 7]], n=2, params=SamplingParams(max_new_tokens=8))
     hook.remove()
     assert model.config._attn_implementation == attn and model.training
 

@@ -409,7 +409,7 @@ def test_gsm8k_recipe_runs_on_the_local_copy(assets, tmp_path):
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "gsm8k.yaml"
     config = TrainConfig.from_yaml(
         recipe, model_name_or_path=assets["model"], dataset_name=str(GSM8K), output_dir=str(tmp_path / "run"),
-        max_completion_length=4, max_prompt_length=64, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+        max_completion_length=4, max_prompt_length=60, per_device_train_batch_size=8, gradient_accumulation_steps=1,
         max_steps=1, eval_num_samples=4, report_to=["none"], disable_tqdm=True, bf16=False,
     )  # fmt: skip
     trainer = Trainer(config)

@@ -115,16 +115,47 @@ def results_stem(suite: str, env: dict) -> str:
     return f"{suite}-{device}-{env['date']}"
 
 
+def check_out_dir(out_dir: str | Path) -> None:
+    """Refuses --out-dir before any benchmark runs when it is a file, lies under one, or cannot be written."""
+    path = Path(out_dir)
+    existing = next(p for p in [path, *path.absolute().parents] if p.exists())
+    if not existing.is_dir():
+        raise SystemExit(f"--out-dir {out_dir} must be a folder, but {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SystemExit(f"--out-dir {out_dir}: {existing} is not writable")
+
+
+def failed(row: dict) -> bool:
+    return "error" in row
+
+
 def write_results(out_dir: str | Path, suite: str, env: dict, rows: list[dict], table: str) -> tuple[Path, Path]:
-    """`<suite>-<device>-<date>.json` (env + rows) and `.md` (env + table) in out_dir."""
+    """`<suite>-<device>-<date>.json` (env + rows) and `.md` (env + table) in out_dir. A run in which a method failed
+    never replaces earlier results: it takes the first free name of `<stem>`, `<stem>-2`, `<stem>-3`, ..."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / results_stem(suite, env)
+    if not rows or any(map(failed, rows)):
+        stem = _free_stem(stem)
     json_path, md_path = stem.with_suffix(".json"), stem.with_suffix(".md")
     json_path.write_text(json.dumps({"suite": suite, "environment": env, "rows": rows}, indent=2) + "\n")
     header = ", ".join(f"{key} {value}" for key, value in env.items() if value is not None)
     md_path.write_text(f"# {suite}\n\n{header}\n\n{table}\n")
     return json_path, md_path
+
+
+def _free_stem(stem: Path) -> Path:
+    candidate, number = stem, 1
+    while candidate.with_suffix(".json").exists() or candidate.with_suffix(".md").exists():
+        number += 1
+        candidate = stem.with_name(f"{stem.name}-{number}")
+    return candidate
+
+
+def exit_if_all_failed(rows: list[dict], json_path: Path) -> None:
+    """A run in which no method produced a result exits non-zero (its errors stay on record in json_path)."""
+    if all(map(failed, rows)):
+        raise SystemExit(f"every method failed ({len(rows)} runs); their errors are in {json_path}")
 
 
 def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:

@@ -47,9 +47,10 @@ import torch
 import fastgrpo
 from fastgrpo.bench import (
     DTYPES,
+    check_out_dir,
     environment,
+    exit_if_all_failed,
     markdown_table,
-    results_stem,
     run_in_child,
     suite_main,
     time_call,
@@ -421,6 +422,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
+    check_out_dir(args.out_dir)
     quick = args.quick
     heads = args.heads or (QUICK["heads"] if quick else GPU_HEADS)
     tokens = args.tokens or (QUICK["tokens"] if quick else GPU_TOKENS)
@@ -477,7 +479,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     print(table)
     text = f"{title}\n\n{table}" + ("\n\n" + "\n".join(f"- {note}" for note in notes) if notes else "")
     json_path, md_path = write_results(args.out_dir, "loss", env, rows, text)
-    png_path = md_path.with_name(results_stem("loss", env) + ".png")
+    exit_if_all_failed(rows, json_path)
+    png_path = md_path.with_suffix(".png")
     plot(rows, png_path)
     print(f"wrote {json_path}, {md_path} and {png_path}")
     return rows

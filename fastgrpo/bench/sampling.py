@@ -18,7 +18,9 @@ import torch
 from fastgrpo.bench import (
     DTYPES,
     SHAPES,
+    check_out_dir,
     environment,
+    exit_if_all_failed,
     markdown_table,
     run_in_child,
     suite_main,
@@ -128,6 +130,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
+    check_out_dir(args.out_dir)
     defaults = default_workload(device, args.quick)
     chosen = dict(shape=args.shape, prompts=args.prompts, group_size=args.group_size, prompt_len=args.prompt_len,
                   max_new_tokens=args.max_new_tokens)
@@ -159,6 +162,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             print(f"{row['method']} failed: {row['error']}")
     json_path, md_path = write_results(args.out_dir, "sampling", env, rows, f"{title}\n\n{table}")
     print(f"wrote {json_path} and {md_path}")
+    exit_if_all_failed(rows, json_path)
     return rows
 
 

@@ -26,7 +26,9 @@ import torch
 from fastgrpo.bench import (
     DTYPES,
     SHAPES,
+    check_out_dir,
     environment,
+    exit_if_all_failed,
     markdown_table,
     run_in_child,
     suite_main,
@@ -179,6 +181,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
+    check_out_dir(args.out_dir)
     defaults = default_workload(device, args.quick)
     chosen = dict(shape=args.shape, completions=args.completions, prompt_len=args.prompt_len,
                   completion_len=args.completion_len, repeats=args.repeats, threads=args.threads)
@@ -220,6 +223,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             print(f"{row['method']} failed: {row['error']}")
     json_path, md_path = write_results(args.out_dir, "trl-step", env, rows, f"{title}\n\n{table}")
     print(f"wrote {json_path} and {md_path}")
+    exit_if_all_failed(rows, json_path)
     return rows
 
 

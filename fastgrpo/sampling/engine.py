@@ -25,6 +25,20 @@ from fastgrpo.sampling.sampler import sample
 from fastgrpo.sampling.scheduler import Scheduler, Step
 from fastgrpo.sampling.sequence import Group, Sequence
 
+# Where model configs keep their context window: most architectures (GPT-2's n_positions is mapped to it too), then
+# configs that name it otherwise (MPT, ChatGLM / Qwen-1).
+CONTEXT_WINDOW_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def context_window(model_config) -> int | None:
+    """The most positions the model was built for; None when its config does not say (then nothing is checked)."""
+    text_config = model_config.get_text_config()
+    for name in CONTEXT_WINDOW_ATTRIBUTES:
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
 
 @dataclass(slots=True)
 class Completion:
@@ -110,6 +124,7 @@ class Engine:
         self.num_heads = text_config.num_attention_heads
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.num_heads
+        self.max_positions = context_window(self.hf_model.config)
         for name, module in self.hf_model.named_modules():
             if getattr(module, "sliding_window", None):
                 raise ValueError(f"{name} uses sliding-window attention, which the paged engine does not implement")
@@ -178,6 +193,8 @@ class Engine:
         return outputs
 
     def _check_inputs(self, prompt_token_ids, n, params) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(prompt_token_ids, (list, tuple)) or not prompt_token_ids:
             raise ValueError("prompt_token_ids must be a non-empty list of token id lists")
         for i, prompt in enumerate(prompt_token_ids):
@@ -187,10 +204,14 @@ class Engine:
                 if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
                     raise ValueError(f"prompt_token_ids[{i}] holds {token!r}, not a token id in [0, {self.vocab_size})")
         check_int("n", n, 1)
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine to have a tokenizer: Engine(model, tokenizer=...)")
+        for i, prompt in enumerate(prompt_token_ids):
+            if self.max_positions is not None and len(prompt) + params.max_new_tokens > self.max_positions:
+                raise ValueError(
+                    f"prompt_token_ids[{i}] has {len(prompt)} tokens: with max_new_tokens={params.max_new_tokens} they "
+                    f"reach past the model's context window of {self.max_positions} positions"
+                )
 
     def _num_blocks(self, prompts: list[list[int]], n: int, params: SamplingParams) -> int:
         """Pages for this call: as configured, or a fraction of free memory capped at what the call can use."""

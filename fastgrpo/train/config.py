@@ -21,6 +21,22 @@ from fastgrpo.loss_config import LOSS_TYPES, LossConfig
 BUILTIN = "builtin"  # model_name_or_path / dataset_name of the built-in arithmetic task
 DEFAULT_RECIPE = Path(__file__).parent / "default.yaml"
 REWARD_FUNCS = ("accuracy", "format", "length")
+SEED_LIMIT = 2**32  # numpy's seeding takes [0, 2**32), as does transformers' set_seed that TRL recipes call
+
+
+def is_local_path(name: str) -> bool:
+    """Whether a model or dataset name can only be a path: hub ids are 'name' or 'org/name' and never start with '.',
+    '/' or '~', so such a name that does not exist is a misspelled path, not something to ask the hub for."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def read_utf8(path: Path, what: str) -> str:
+    """The text of a config or data file; a file that is not UTF-8 is named with the line of its first bad byte."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ValueError(f"{what} {path}, line {line}: not UTF-8 text (byte {e.object[e.start]:#04x})") from None
 
 
 def option(default, help: str, *, aliases: tuple[str, ...] = (), choices: tuple | None = None):
@@ -119,14 +135,19 @@ class TrainConfig:
     disable_tqdm: bool = option(False, "no progress bar")
 
     def __post_init__(self):
+        _to_floats(self)
         _check_types(self)
-        _ints_to_floats(self)  # YAML's `learning_rate: 1` is the float 1.0
         positive = ("num_generations", "max_completion_length", "block_size", "num_iterations",
                     "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "eval_num_samples",
                     "lora_r", "lora_alpha")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations must be >= 2, got {self.num_generations}: a completion's advantage is "
+                             "its reward minus its group's mean, zero for a group of one (TRL refuses it too)")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be in [0, 2**32) (numpy's and transformers.set_seed's range), got {self.seed}")
         for name in ("save_steps", "eval_steps", "top_k"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -172,8 +193,6 @@ class TrainConfig:
             raise ValueError(
                 f"per_device_train_batch_size * steps_per_generation = {self.generation_batch_size} completions per "
                 f"round must be a multiple of num_generations ({self.num_generations})")
-        if self.num_generations < 2 and self.scale_rewards != "none":
-            raise ValueError("num_generations must be >= 2 for group advantages (one completion has no baseline)")
         bad_sinks = set(self.report_to) - {"tensorboard", "wandb", "none"}
         if bad_sinks:
             raise ValueError(f"report_to: unknown sinks {sorted(bad_sinks)}; choose from tensorboard, wandb, none")
@@ -208,13 +227,46 @@ class TrainConfig:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
-        values = yaml.safe_load(path.read_text()) or {}
+        text = read_utf8(path, "config file")
+        try:
+            values = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(_yaml_error(path, text, e)) from None
         if not isinstance(values, dict):
             raise ValueError(f"config file {path} must hold a mapping of option: value, got {type(values).__name__}")
-        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        unknown = sorted(map(str, set(values) - {f.name for f in dataclasses.fields(cls)}))
         if unknown:
             raise ValueError(f"config file {path}: unknown options {unknown}")
         return cls(**{**values, **overrides})
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        lines = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in lines:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (first on line {lines[key]})", key_node.start_mark)
+                lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def _yaml_error(path: Path, text: str, error: yaml.YAMLError) -> str:
+    """PyYAML's error in one line, at its line and column: parser errors carry a mark, reader errors an offset."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    if mark is not None:
+        line, column = mark.line + 1, mark.column + 1
+    else:
+        offset = getattr(error, "position", 0)
+        line, column = text.count("\n", 0, offset) + 1, offset - text.rfind("\n", 0, offset)
+    problem = getattr(error, "problem", None) or getattr(error, "reason", None) or " ".join(str(error).split())
+    if not isinstance(error, yaml.constructor.ConstructorError):
+        problem = f"not valid YAML ({problem})"
+    return f"config file {path}, line {line}, column {column}: {problem}"
 
 
 @functools.cache
@@ -248,13 +300,26 @@ def _check_types(config: TrainConfig) -> None:
             raise ValueError(f"{f.name} must be finite, got {value!r}")
 
 
-def _ints_to_floats(config: TrainConfig) -> None:
+def _to_floats(config: TrainConfig) -> None:
+    """Float options take ints (YAML's `learning_rate: 1`) and numeric strings (YAML 1.1 reads `1e-4`, without a dot,
+    as a string; TRL's parser accepts it); anything else is left for _check_types to name."""
     for f in dataclasses.fields(config):
         value, (kind, _) = getattr(config, f.name), field_types()[f.name]
-        if kind is float and isinstance(value, int):
-            setattr(config, f.name, float(value))
-        elif kind == list[float] and value is not None:
-            setattr(config, f.name, [float(x) for x in value])
+        if kind is float:
+            setattr(config, f.name, _as_float(value))
+        elif kind == list[float] and isinstance(value, list):
+            setattr(config, f.name, [_as_float(x) for x in value])
+
+
+def _as_float(value):
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        return value  # not a number: _check_types names the option
+    except OverflowError:
+        return math.inf  # an int past float's range: _check_types calls it not finite
 
 
 def _is(value, kind: type) -> bool:

@@ -5,16 +5,23 @@ dataset_name may be
     path/to/train.jsonl      one file (.jsonl, .json or .parquet); dataset_test_split is then a file path or None
     path/to/dir              split files <dir>/<split>.jsonl|.json|.parquet (e.g. train.jsonl, test.jsonl)
     org/name                 a hub dataset (needs network access), with dataset_config and the split names
+
+Every row needs a non-empty prompt and, when answer_column is set, an answer: a null or missing answer is refused
+(naming the file, row and line), never scored against the string "None" or skipped. A prompt that with
+max_completion_length does not fit the model's context window is refused too. A name that can only be a path
+(starting with '.', '/' or '~') and does not exist is refused without asking the hub.
 """
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fastgrpo.train.config import BUILTIN, TrainConfig
+from fastgrpo.train.config import BUILTIN, TrainConfig, is_local_path, read_utf8
+from fastgrpo.train.model import max_positions, not_loadable
 
-FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+FILE_FORMATS = (".jsonl", ".json", ".parquet")
 EVAL_SUBSET_SEED = 0  # the held-out subset is the same for every run, whatever the training seed
 
 
@@ -25,12 +32,61 @@ class Prompts:
     texts: list[str]  # the prompt column, as reward functions see it
 
 
-def _read_file(path: Path) -> list[dict]:
-    import datasets
+class Rows(list):
+    """A split's rows (dicts) that remember where they came from, so that errors can name the file and line."""
 
+    def __init__(self, rows: list[dict], source: str, lines: list[int] | None = None):
+        super().__init__(rows)
+        self.source = source  # a file path, a hub dataset and split, or the built-in task
+        self.lines = lines  # per row, its line in a JSON Lines file
+
+    def where(self, i: int) -> str:
+        return f"{self.source}, row {i + 1}" + (f" (line {self.lines[i]})" if self.lines else "")
+
+
+def _read_json(path: Path) -> Rows:
+    """A .json array of objects, or JSON Lines (one object per line; .jsonl, or a .json that is not an array)."""
+    text = read_utf8(path, "dataset file")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows, lines = json.loads(text), None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"dataset file {path}, line {e.lineno}, column {e.colno}: not valid JSON ({e.msg})"
+                             ) from None
+    else:
+        rows, lines = [], []
+        for number, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"dataset file {path}, line {number}, column {e.colno}: not valid JSON ({e.msg}); "
+                                 "JSON Lines hold one object per line") from None
+            lines.append(number)
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            where = f"line {lines[i]}" if lines else f"row {i + 1}"
+            raise ValueError(f"dataset file {path}, {where}: a row must be a JSON object, got {type(row).__name__}")
+    return Rows(rows, str(path), lines)
+
+
+def _read_file(path: Path) -> Rows:
     if path.suffix not in FILE_FORMATS:
-        raise ValueError(f"dataset file {path} must end in one of {sorted(FILE_FORMATS)}")
-    return datasets.load_dataset(FILE_FORMATS[path.suffix], data_files=str(path), split="train").to_list()
+        raise ValueError(f"dataset file {path} must end in one of {list(FILE_FORMATS)}")
+    if path.suffix == ".parquet":
+        import pyarrow
+        import pyarrow.parquet
+
+        try:
+            rows = Rows(pyarrow.parquet.read_table(path).to_pylist(), str(path))
+        except pyarrow.ArrowException as e:
+            raise ValueError(f"dataset file {path}: not a readable parquet file ({e})") from None
+    else:
+        rows = _read_json(path)
+    if not rows:
+        raise ValueError(f"dataset file {path} holds no rows")
+    return rows
 
 
 def _split_file(directory: Path, split: str) -> Path:
@@ -40,7 +96,19 @@ def _split_file(directory: Path, split: str) -> Path:
     raise FileNotFoundError(f"dataset_name {directory} has no {split}.jsonl, {split}.json or {split}.parquet")
 
 
-def load_rows(config: TrainConfig, split: str) -> list[dict] | None:
+def _read_hub(config: TrainConfig, split_name: str) -> Rows:
+    import datasets
+
+    name = config.dataset_name
+    try:
+        rows = datasets.load_dataset(name, config.dataset_config, split=split_name).to_list()
+    except Exception as e:  # datasets raises a dozen types: no network, no such dataset, config or split
+        raise not_loadable("dataset_name", name, e, datasets.config.HF_DATASETS_CACHE,
+                           datasets.config.HF_HUB_OFFLINE) from e
+    return Rows(rows, f"hub dataset {name} (config {config.dataset_config}, split {split_name})")
+
+
+def load_rows(config: TrainConfig, split: str) -> Rows | None:
     """The rows of the train split (split="train") or of the held-out one (split="test"; None if there is none)."""
     name = config.dataset_name
     split_name = config.dataset_train_split if split == "train" else config.dataset_test_split
@@ -49,8 +117,8 @@ def load_rows(config: TrainConfig, split: str) -> list[dict] | None:
     if name == BUILTIN:
         from fastgrpo.train import arithmetic
 
-        return arithmetic.all_problems(split)
-    path = Path(name)
+        return Rows(arithmetic.all_problems(split), f"the built-in arithmetic task's {split} split")
+    path = Path(name).expanduser()
     if path.is_dir():
         return _read_file(_split_file(path, split_name))
     if path.is_file():
@@ -60,11 +128,9 @@ def load_rows(config: TrainConfig, split: str) -> list[dict] | None:
             raise FileNotFoundError(f"dataset_test_split: {split_name!r} is not a file; with a single-file dataset "
                                     "give the held-out file's path, or null to skip evaluation")
         return _read_file(Path(split_name))
-    if path.suffix in FILE_FORMATS:
-        raise FileNotFoundError(f"dataset_name: {name} does not exist")
-    import datasets
-
-    return datasets.load_dataset(name, config.dataset_config, split=split_name).to_list()
+    if path.suffix in FILE_FORMATS or is_local_path(name):
+        raise FileNotFoundError(f"dataset_name: {name} does not exist (a local path, so the hub was not asked)")
+    return _read_hub(config, split_name)
 
 
 def prompt_token_ids(tokenizer, text: str, config: TrainConfig) -> list[int]:
@@ -80,31 +146,57 @@ def prompt_token_ids(tokenizer, text: str, config: TrainConfig) -> list[int]:
     return ids[-config.max_prompt_length :] if config.max_prompt_length else ids
 
 
-def prepare(rows: list[dict], tokenizer, config: TrainConfig, what: str) -> Prompts:
+def prepare(rows: Rows, tokenizer, config: TrainConfig, what: str) -> Prompts:
+    """Check and tokenize a split's rows; every error names the row (file and line) and the option to change."""
     if not rows:
-        raise ValueError(f"the {what} split of {config.dataset_name} is empty")
+        raise ValueError(f"the {what} split ({rows.source}) is empty")
     columns = set(rows[0])
     for column, option in ((config.prompt_column, "prompt_column"), (config.answer_column, "answer_column")):
         if column is not None and column not in columns:
-            raise ValueError(f"{option}: column {column!r} is not in the {what} data of {config.dataset_name}; "
+            raise ValueError(f"{option}: column {column!r} is not in the {what} data of {rows.source}; "
                              f"its columns are {sorted(columns)}")
+    window = max_positions(config)
+    if window is not None and config.max_completion_length >= window:
+        raise ValueError(f"max_completion_length={config.max_completion_length} leaves no room for a prompt in the "
+                         f"context window of {config.model_name_or_path} ({window} positions); lower it below {window}")
     texts, token_ids, out = [], [], []
     for i, row in enumerate(rows):
-        text = row[config.prompt_column]
+        text = row.get(config.prompt_column)
         if not isinstance(text, str) or not text:
-            raise ValueError(f"{what} row {i}: prompt column {config.prompt_column!r} must be a non-empty string, "
+            raise ValueError(f"{rows.where(i)}: prompt column {config.prompt_column!r} must be a non-empty string, "
                              f"got {text!r:.100}")
         row = dict(row)
-        if config.answer_column is not None and config.answer_delimiter is not None:
-            answer = str(row[config.answer_column])
-            if config.answer_delimiter not in answer:
-                raise ValueError(f"{what} row {i}: answer column {config.answer_column!r} has no "
-                                 f"answer_delimiter {config.answer_delimiter!r}: {answer!r:.100}")
-            row[config.answer_column] = answer.rsplit(config.answer_delimiter, 1)[1].strip()
+        if config.answer_column is not None:
+            row[config.answer_column] = _answer(row.get(config.answer_column), config, rows.where(i))
+        ids = prompt_token_ids(tokenizer, text, config)
+        if window is not None and len(ids) + config.max_completion_length > window:
+            raise ValueError(_too_long(len(ids), window, config, rows.where(i)))
         texts.append(text)
-        token_ids.append(prompt_token_ids(tokenizer, text, config))
+        token_ids.append(ids)
         out.append(row)
     return Prompts(out, token_ids, texts)
+
+
+def _answer(answer, config: TrainConfig, where: str):
+    """The answer column's value, cut at answer_delimiter; a null answer is refused rather than scored as 'None'."""
+    if answer is None:
+        raise ValueError(f"{where}: answer column {config.answer_column!r} is null or missing; give the row an answer, "
+                         "drop the row, or set answer_column to null if no reward function reads it")
+    if config.answer_delimiter is None:
+        return answer
+    answer = str(answer)
+    if config.answer_delimiter not in answer:
+        raise ValueError(f"{where}: answer column {config.answer_column!r} has no answer_delimiter "
+                         f"{config.answer_delimiter!r}: {answer!r:.100}")
+    return answer.rsplit(config.answer_delimiter, 1)[1].strip()
+
+
+def _too_long(prompt_length: int, window: int, config: TrainConfig, where: str) -> str:
+    room = window - config.max_completion_length
+    return (f"{where}: the prompt has {prompt_length} tokens (max_prompt_length={config.max_prompt_length}), which "
+            f"with max_completion_length={config.max_completion_length} exceed the model's context window of {window} "
+            f"positions; lower max_prompt_length to {room} or less (prompts keep their last tokens) or "
+            "max_completion_length")
 
 
 def eval_subset(prompts: Prompts, num: int) -> Prompts:

@@ -1,21 +1,62 @@
 """The policy, its reference and tokenizer; the backbone forward that yields the hidden states of completion tokens."""
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+from huggingface_hub import constants as hub_constants
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 from fastgrpo.loss import logit_transform
 from fastgrpo.models import find_hf_model
-from fastgrpo.train.config import BUILTIN, TrainConfig
+from fastgrpo.sampling.engine import context_window
+from fastgrpo.train.config import BUILTIN, TrainConfig, is_local_path
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 PACKED_ATTENTION = ("flash_attention_2", "flash_attention_3")  # varlen kernels: packing costs no extra FLOPs
 
 
 def model_path(config: TrainConfig) -> str:
-    return str(DEFAULT_MODEL) if config.model_name_or_path == BUILTIN else config.model_name_or_path
+    """The model's folder or hub id; a local path that does not exist, or a folder without a config.json, is refused
+    here rather than sent to the hub as an id."""
+    if config.model_name_or_path == BUILTIN:
+        return str(DEFAULT_MODEL)
+    name, path = config.model_name_or_path, Path(config.model_name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model_name_or_path: the folder {name} is not a transformers model (it holds no "
+                                    "config.json)")
+        return str(path)
+    if is_local_path(name):
+        raise FileNotFoundError(f"model_name_or_path: {name} does not exist (a local path, so the hub was not asked)")
+    return name
+
+
+def not_loadable(option: str, name: str, error: Exception, cache: str, offline: bool) -> FileNotFoundError:
+    """One line saying what was looked for (`option`'s value) and where (its local folder, or the hub and its cache),
+    with the loader's own reason."""
+    hub = f"huggingface.co ({'offline mode: not asked' if offline else 'not reachable or no such repository'})"
+    where = f"the folder {name}" if Path(name).is_dir() else f"{hub} and the cache {cache}"
+    reason = " ".join(str(error).split())[:300]
+    return FileNotFoundError(f"{option}: cannot load {name!r} from {where}: {type(error).__name__}: {reason}")
+
+
+@contextmanager
+def _loading(name: str):
+    """transformers' loading errors (several lines, often no name) as one `not_loadable` line."""
+    try:
+        yield
+    except OSError as e:  # missing files, no network, no such repository
+        raise not_loadable("model_name_or_path", name, e, hub_constants.HF_HUB_CACHE,
+                           hub_constants.HF_HUB_OFFLINE) from e
+
+
+def max_positions(config: TrainConfig) -> int | None:
+    """The model's context window (from its config.json, without loading weights); None when it does not say."""
+    path = model_path(config)
+    with _loading(path):
+        return context_window(AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code))
 
 
 def train_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
@@ -32,10 +73,11 @@ def load_tokenizer(config: TrainConfig):
     a Qwen2 byte-level BPE, which drops the characters of a small word-level vocabulary)."""
     path = model_path(config)
     declared = Path(path) / "tokenizer_config.json"
-    if declared.is_file() and json.loads(declared.read_text()).get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    with _loading(path):
+        if declared.is_file() and json.loads(declared.read_text()).get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -69,12 +111,12 @@ def _from_pretrained(path: str, config: TrainConfig, dtype: torch.dtype, device:
     kwargs = {"dtype": dtype, "trust_remote_code": config.trust_remote_code}
     if config.attn_implementation is not None:
         kwargs["attn_implementation"] = config.attn_implementation
-    if config.use_liger_kernel:
-        model = _liger_loader().from_pretrained(path, **kwargs, **LIGER_KERNELS).to(device)
-        if not any(type(module).__module__.startswith("liger_kernel") for module in model.modules()):
-            raise ValueError(f"use_liger_kernel: liger-kernel has no kernels for {model.config.model_type!r} models")
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device)
+    loader = _liger_loader() if config.use_liger_kernel else AutoModelForCausalLM
+    with _loading(path):
+        model = loader.from_pretrained(path, **kwargs, **(LIGER_KERNELS if config.use_liger_kernel else {}))
+    model = model.to(device)
+    if config.use_liger_kernel and not any(type(m).__module__.startswith("liger_kernel") for m in model.modules()):
+        raise ValueError(f"use_liger_kernel: liger-kernel has no kernels for {model.config.model_type!r} models")
     check_head(model)
     return model
 

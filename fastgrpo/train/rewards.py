@@ -13,6 +13,7 @@ Every reward function has TRL's signature `f(prompts, completions, **columns) ->
 import importlib
 import importlib.util
 import math
+import numbers
 import re
 import sys
 from collections.abc import Callable
@@ -27,7 +28,8 @@ _PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:,\d{3})*|\d*)(?:\.\d+)?")
 
 
 class RewardError(RuntimeError):
-    """A reward function raised, or returned something other than one finite number per completion."""
+    """A reward function raised, or returned something other than one number per completion that is finite in float32
+    (the dtype advantages are computed in: 1e39 is finite in float64 and inf in float32)."""
 
 
 def _last_boxed(text: str) -> str | None:
@@ -136,6 +138,20 @@ def load_function(spec: str) -> Callable:
     return function
 
 
+def _as_float(value) -> float:
+    """A reward as a Python float: ints, floats, numpy scalars and 0-dim tensors; NaN, which is refused, for anything
+    else (bools included)."""
+    if isinstance(value, torch.Tensor):
+        numeric = value.ndim == 0 and value.dtype != torch.bool and not value.is_complex()
+        return float(value.item()) if numeric else math.nan
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 class Rewards:
     """The configured reward functions and weights: `rewards(prompts, completions, completion_ids, columns)` ->
     (per_function [N, F], total [N] = per_function @ weights), fp32."""
@@ -151,7 +167,15 @@ class Rewards:
         per_function = torch.stack(
             [self._score(name, f, prompts, completions, completion_ids, columns)
              for name, f in zip(self.names, self.functions, strict=True)], dim=1)  # [N, F]
-        return per_function, per_function @ self.weights
+        total = per_function @ self.weights  # [N]
+        bad = (~total.isfinite()).nonzero()
+        if len(bad):
+            i = bad[0].item()
+            rewards = dict(zip(self.names, per_function[i].tolist(), strict=True))
+            raise RewardError(f"the weighted sum of the rewards is not finite in float32 for sample {i} (prompt "
+                              f"{prompts[i]!r}, completion {completions[i]!r}): rewards {rewards} with reward_weights "
+                              f"{self.weights.tolist()}")
+        return per_function, total
 
     def _score(self, name, function, prompts, completions, completion_ids, columns) -> torch.Tensor:
         def call(index):
@@ -168,11 +192,14 @@ class Rewards:
         if not isinstance(values, (list, tuple)) or len(values) != len(completions):
             raise RewardError(f"reward function {name!r} must return a list of {len(completions)} numbers (one per "
                               f"completion), got {values!r:.200}")
-        for i, v in enumerate(values):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise RewardError(f"reward function {name!r} returned {v!r} for sample {i} (prompt {prompts[i]!r}, "
-                                  f"completion {completions[i]!r}); rewards must be finite numbers")
-        return torch.tensor(values, dtype=torch.float32)
+        scores = torch.tensor([_as_float(v) for v in values], dtype=torch.float32)  # [N]
+        bad = (~scores.isfinite()).nonzero()
+        if len(bad):
+            i = bad[0].item()
+            raise RewardError(f"reward function {name!r} returned {values[i]!r} for sample {i} (prompt {prompts[i]!r}, "
+                              f"completion {completions[i]!r}); rewards must be numbers finite in float32 "
+                              f"(|x| <= {torch.finfo(torch.float32).max:.3g})")
+        return scores
 
     @staticmethod
     def _culprit(call, prompts, completions) -> str:

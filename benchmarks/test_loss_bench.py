@@ -19,7 +19,8 @@ pytest.importorskip("pytest_benchmark")
 
 HEAD, TOKENS, BETA = "cpu-h128-v16384", 512, 0.04
 SETTINGS = Settings(device="cpu", dtype="fp32", repeats=1, warmup=0, threads=1)
-METHODS = ["fastgrpo", "reference", "floor"] + [m for m, pkg in (("trl", "trl"), ("liger", "liger_kernel"))
+METHODS = ["fastgrpo", "reference", "torch_lce", "floor", "floor4"] + [m for m, pkg in (("trl", "trl"),
+                                                                                         ("liger", "liger_kernel"))
                                                 if importlib.util.find_spec(pkg) is not None]
 
 
@@ -42,8 +43,9 @@ def test_forward(benchmark, method):
 @pytest.mark.parametrize("method", METHODS)
 def test_full(benchmark, method):
     inp = make_inputs(Case(HEAD, TOKENS, BETA, "full"), SETTINGS)
-    if method == "floor":
-        step = lambda: (forward_fn("floor", BETA, torch.device("cpu"))(inp), floor_backward(inp))
+    if method in ("floor", "floor4"):  # the 3-GEMM floor keeps z from its forward, floor4 recomputes it
+        forward = forward_fn("floor", BETA, torch.device("cpu"))
+        step = lambda: floor_backward(inp, forward(inp) if method == "floor" else None)
     else:
         loss = loss_fn(method, BETA, torch.device("cpu"))
         step = lambda: loss(inp).backward()
@@ -54,7 +56,7 @@ def test_full(benchmark, method):
     benchmark.pedantic(step, setup=clear_grads, rounds=5, warmup_rounds=1)
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "floor"])
+@pytest.mark.parametrize("method", [m for m in METHODS if not m.startswith("floor")])
 def test_backward(benchmark, method):
     inp = make_inputs(Case(HEAD, TOKENS, BETA, "backward"), SETTINGS)
     loss = loss_fn(method, BETA, torch.device("cpu"))

@@ -26,9 +26,9 @@ def close(value, expected, rel):
 
 def test_bench_loss_tiny_writes_results_and_agrees_with_reference(tmp_path):
     pytest.importorskip("matplotlib")
-    methods = ["fastgrpo", "reference", "floor"] + (["trl"] if _installed("trl") else [])
+    methods = ["fastgrpo", "reference", "torch_lce", "floor", "floor4"] + (["trl"] if _installed("trl") else [])
     out = bench("--device", "cpu", "--heads", "cpu-h64-v4096", "--tokens", "80", "--beta", "0", "0.04",
-                "--repeats", "1", "--warmup", "0", "--threads", "1", "--methods", *methods, "liger",
+                "--repeats", "1", "--warmup", "0", "--threads", "1", "--methods", *methods, "liger", "fused",
                 "--out-dir", str(tmp_path), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     (json_path,) = tmp_path.glob("loss-*.json")
@@ -42,14 +42,15 @@ def test_bench_loss_tiny_writes_results_and_agrees_with_reference(tmp_path):
             row["method"], row["mode"], Case(row["head"], row["tokens"], row["beta"], row["mode"]))
         for key in ("device", "torch", "transformers", "date", "dtype", "hidden_size", "vocab_size", "tokens"):
             assert row[key] is not None, key
-    # 3 modes x 2 betas per loss method, 3 modes for the floor (no loss, so no beta)
+    # 3 modes x 2 betas per loss method, 3 modes per floor (no loss, so no beta); the fused kernels time on CUDA only
     liger_installed = _installed("liger_kernel")
-    loss_methods = [m for m in methods if m != "floor"] + (["liger"] if liger_installed else [])
-    assert sorted(r["method"] for r in rows) == sorted(loss_methods * 6 + ["floor"] * 3)
+    loss_methods = [m for m in methods if not m.startswith("floor")] + (["liger"] if liger_installed else [])
+    assert sorted(r["method"] for r in rows) == sorted(loss_methods * 6 + ["floor"] * 3 + ["floor4"] * 3)
     assert liger_installed or "liger: skipped, liger_kernel is not installed" in md_path.read_text()
+    assert "fused: skipped, the fused Triton kernels time only on CUDA" in md_path.read_text()
     reference = {(r["beta"], r["mode"]): r for r in rows if r["method"] == "reference"}
     for row in rows:
-        if row["method"] in ("reference", "floor"):
+        if row["method"] in ("reference", "floor", "floor4"):
             continue
         ref = reference[row["beta"], row["mode"]]
         # fp32 on a CPU: the chunked paths and the full-logit reference differ by summation order only (~1e-7
@@ -64,7 +65,8 @@ def test_bench_loss_tiny_writes_results_and_agrees_with_reference(tmp_path):
             assert close(row["grad_hidden_norm"], ref["grad_hidden_norm"], 1e-4), (row, ref)
             assert close(row["grad_weight_norm"], ref["grad_weight_norm"], 1e-4), (row, ref)
         if row["method"] == "fastgrpo":
-            assert row["time_vs_floor"] > 0 and row["time_vs_reference"] > 0
+            assert row["time_vs_floor"] > 0 and row["time_vs_floor4"] > 0 and row["time_vs_reference"] > 0
+            assert row["time_vs_torch_lce"] > 0
     assert "| fastgrpo |" in md_path.read_text() and "| floor |" in out.stdout
 
 
@@ -73,10 +75,14 @@ def test_bench_loss_flop_formulas():
     case = Case("qwen2.5-7b", 8192, 0.0, "full")
     nv = valid_tokens(8192)
     assert nv == 8 * (1024 - 102)  # the last 10% (rounded) of each of the 8 rows is masked
-    assert flop_count("fastgrpo", "full", case) == 8 * nv * H * V == flop_count("floor", "full", case)
+    # fastgrpo's gradient is computed in its forward: 3 GEMMs, the floor's; the recomputing peers 4, floor4's
+    assert flop_count("fastgrpo", "full", case) == 6 * nv * H * V == flop_count("floor", "full", case)
+    assert flop_count("trl", "full", case) == 8 * nv * H * V == flop_count("floor4", "full", case)
+    assert flop_count("torch_lce", "full", case) == flop_count("fused", "full", case) == 8 * nv * H * V
+    assert flop_count("fastgrpo", "backward", case) == 0
     assert flop_count("reference", "full", case) == 6 * 8192 * H * V
     assert flop_count("floor", "forward", Case("qwen2.5-7b", 8192, None, "forward")) == 2 * nv * H * V
-    assert set(GEMMS) == {"fastgrpo", "reference", "trl", "liger", "floor"}
+    assert set(GEMMS) == {"fastgrpo", "fused", "reference", "trl", "torch_lce", "liger", "floor", "floor4"}
 
 
 @pytest.mark.parametrize("args, message", [

@@ -115,6 +115,16 @@ def results_stem(suite: str, env: dict) -> str:
     return f"{suite}-{device}-{env['date']}"
 
 
+def start_run(args: argparse.Namespace) -> str:
+    """The checks every suite runs before measuring anything: the device (`--device`, default cuda when available;
+    returned) and `--out-dir`."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+    check_out_dir(args.out_dir)
+    return device
+
+
 def check_out_dir(out_dir: str | Path) -> None:
     """Refuses --out-dir before any benchmark runs when it is a file, lies under one, or cannot be written."""
     path = Path(out_dir)

@@ -1,28 +1,36 @@
-"""GRPO loss kernels side by side: fastgrpo vs the reference, TRL 1.16, Liger and the bare matmuls (the floor).
+"""GRPO loss kernels side by side: fastgrpo vs the reference, TRL 1.16, PyTorch, Liger and the bare matmuls (the floor).
 
 Workload per case: an lm_head W [V, H] (~N(0, 1/H)), hidden states [B, T, H] ~ N(0, 1) with B * T = N tokens
 (B = 8 when 8 divides N), random target ids, the last 10% of every completion masked (padding), advantages [B],
 dapo loss, and, at beta != 0, reference logprobs. All methods get the same tensors (seeded on the device).
 
 Methods (each in its own process, so no method sees another's compiled kernels or cached memory):
-  fastgrpo   fastgrpo.loss.fused_grpo_loss; forward mode: fastgrpo.loss.token_logprobs of the valid tokens
+  fastgrpo   fastgrpo.loss.fused_grpo_loss on the default backend: the gradient is computed in the forward (3 GEMMs
+             per chunk), the backward only scales it; forward mode: fastgrpo.loss.token_logprobs of the valid tokens
+  fused      the same calls with FASTGRPO_BACKEND=fused: the fully fused Triton kernels (atomics in the backward);
+             CUDA only (under TRITON_INTERPRET=1 on a CPU they run, but their time means nothing)
   reference  fastgrpo.reference (full [N, V] logits), the yardstick every row's loss is compared with
   trl        TRL 1.16's own path: `trl.kernels.ChunkedLogProbFunction` called as `trl.trainer.utils.add_fused_lm_head`
              calls it in the GRPOTrainer (valid tokens only, TRL's chunk size, outputs log_probs + entropy), then
              TRL's loss math, which is `fastgrpo.reference.grpo_loss` (a bitwise copy of GRPOTrainer._compute_loss's
              math, tested against TRL in tests/; `_compute_loss` itself needs a model and a trainer)
+  torch_lce  PyTorch's own chunked head: `F.linear_cross_entropy(x, W, ids, reduction="none",
+             options=LinearCrossEntropyOptions())` = -logp of the valid tokens (its backward recomputes the chunks),
+             then the same loss math; it computes no entropy
   liger      liger_kernel's LigerFusedLinearGRPOLoss (when importable); it computes the gradients inside its
              forward, so its backward mode is a copy-out and its forward mode runs on detached inputs
-  floor      the bare torch matmuls the work needs, no softmax: forward z = X W^T; backward the recompute z = X W^T,
-             dX = z W and dW = z^T X (z stands in for dz: same shape, same cost)
+  floor      the bare torch matmuls of an exact method, no softmax: forward z = X W^T; backward dX = z W and
+             dW = z^T X (z stands in for dz: same shape, same cost): 3 GEMMs, a linear layer's forward + backward
+  floor4     the same with the backward's recompute of z (4 GEMMs: the floor of a method that recomputes)
 
 Modes: forward (no-grad logprobs, the old/ref pass), backward (the backward of the loss alone, after an untimed
 forward), full (forward + backward). Gradients are taken w.r.t. both hidden and the weight.
 
 FLOPs counted (the GEMMs a method runs, 2 * rows * H * V each; Nv = valid tokens = 0.9 N, N = all tokens):
-  fastgrpo, trl, floor   forward 2 Nv H V;  backward 6 Nv H V (recompute, dX, dW);  full 8 Nv H V
+  fastgrpo, floor        forward 2 Nv H V;  backward 0 (fastgrpo; floor 4 Nv H V);  full 6 Nv H V
+  fused, trl, torch_lce, floor4   forward 2 Nv H V;  backward 6 Nv H V (recompute, dX, dW);  full 8 Nv H V
   reference              forward 2 Nv H V;  backward 4 N H V (dX, dW; logits stored); full 6 N H V
-  liger                  forward 2 N H V;   backward 0 (done in forward);            full 8 N H V
+  liger                  forward 4 N H V (it forms dX too);  backward 0 (done in forward);  full 8 N H V
 The softmax, exp and loss math are not counted. TFLOP/s = FLOPs / median time.
 
 Timing: one function (`time_call`): `--warmup` untimed runs, then the median of `--repeats` runs; CUDA events on a
@@ -45,17 +53,7 @@ from pathlib import Path
 import torch
 
 import fastgrpo
-from fastgrpo.bench import (
-    DTYPES,
-    check_out_dir,
-    environment,
-    exit_if_all_failed,
-    markdown_table,
-    run_in_child,
-    suite_main,
-    time_call,
-    write_results,
-)
+from fastgrpo import bench as harness
 
 HEADS = {  # name: (hidden size H, vocab size V)
     "qwen2.5-0.5b": (896, 151936),
@@ -64,23 +62,28 @@ HEADS = {  # name: (hidden size H, vocab size V)
     "llama-3-8b": (4096, 128256),
     "cpu-h64-v4096": (64, 4096),
     "cpu-h128-v16384": (128, 16384),
+    "cpu-h1024-v32768": (1024, 32768),  # GEMM-dominated on a CPU, as a GPU head is: the proxy of the issue-13 targets
 }
 GPU_HEADS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama-3-8b")
 GPU_TOKENS = (2048, 8192, 16384, 32768)
 QUICK = dict(heads=("cpu-h64-v4096", "cpu-h128-v16384"), tokens=(256, 2048), betas=(0.04,), repeats=3, warmup=1)
-METHODS = ("fastgrpo", "reference", "trl", "liger", "floor")
+METHODS = ("fastgrpo", "fused", "reference", "trl", "torch_lce", "liger", "floor", "floor4")
 MODES = ("forward", "backward", "full")
 MASKED_FRACTION = 0.1
 # GEMMs of [rows, H] x [H, V] per method and mode, rows being the valid tokens Nv ("valid") or all N ("all")
-_CHUNKED = {"forward": (1, "valid"), "backward": (3, "valid"), "full": (4, "valid")}
+_RECOMPUTE = {"forward": (1, "valid"), "backward": (3, "valid"), "full": (4, "valid")}
 GEMMS = {
-    "fastgrpo": _CHUNKED,
-    "trl": _CHUNKED,
-    "floor": _CHUNKED,
+    "fastgrpo": {"forward": (1, "valid"), "backward": (0, "valid"), "full": (3, "valid")},
+    "floor": {"forward": (1, "valid"), "backward": (2, "valid"), "full": (3, "valid")},
+    "fused": _RECOMPUTE,
+    "trl": _RECOMPUTE,
+    "torch_lce": _RECOMPUTE,
+    "floor4": _RECOMPUTE,
     "reference": {"forward": (1, "valid"), "backward": (2, "all"), "full": (3, "all")},
-    "liger": {"forward": (1, "all"), "backward": (0, "all"), "full": (4, "all")},
+    "liger": {"forward": (2, "all"), "backward": (0, "all"), "full": (4, "all")},
 }
-PEERS = ("floor", "trl", "liger", "reference")
+FLOORS = ("floor", "floor4")
+PEERS = ("floor", "floor4", "trl", "torch_lce", "liger", "fused", "reference")
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ def make_inputs(case: Case, settings: Settings) -> Inputs:
     """The case's tensors, identical in every process (seeded generator on the device)."""
     from fastgrpo.loss import token_logprobs
 
-    device, dtype = torch.device(settings.device), DTYPES[settings.dtype]
+    device, dtype = torch.device(settings.device), harness.DTYPES[settings.dtype]
     H, V = HEADS[case.head]
     N = case.tokens
     B = 8 if N % 8 == 0 else 1
@@ -170,13 +173,21 @@ def _trl_logprobs(x, weight, ids, outputs):
     return logp, entropy
 
 
+def _torch_logprobs(x, weight, ids):
+    """PyTorch's chunked linear cross-entropy per token: logp [Nv] = -CE (no entropy)."""
+    import torch.nn.functional as F
+    from torch.nn import LinearCrossEntropyOptions
+
+    return -F.linear_cross_entropy(x, weight, ids, reduction="none", options=LinearCrossEntropyOptions())
+
+
 def loss_fn(method: str, beta: float, device: torch.device):
     """inp -> the method's scalar loss (differentiable w.r.t. inp.hidden and inp.weight)."""
     from fastgrpo import reference
     from fastgrpo.loss import fused_grpo_loss
 
     config = _config(beta)
-    if method == "fastgrpo":
+    if method in ("fastgrpo", "fused"):  # (the backend is the process's FASTGRPO_BACKEND)
         return lambda inp: fused_grpo_loss(inp.hidden, inp.weight, inp.ids, inp.mask, inp.advantages,
                                            ref_logps=inp.ref_logps, config=config)[0]
     if method == "reference":
@@ -191,6 +202,13 @@ def loss_fn(method: str, beta: float, device: torch.device):
             return reference.grpo_loss(logps, inp.mask, inp.advantages, ref_logps=inp.ref_logps, config=config,
                                        entropies=entropies)[0]
         return trl_loss
+    if method == "torch_lce":
+        def torch_loss(inp):
+            valid = inp.mask.bool()  # [B, T]
+            logp = _torch_logprobs(inp.hidden[valid], inp.weight, inp.ids[valid])  # [Nv]
+            logps = logp.new_zeros(valid.shape).masked_scatter(valid, logp)
+            return reference.grpo_loss(logps, inp.mask, inp.advantages, ref_logps=inp.ref_logps, config=config)[0]
+        return torch_loss
     if method == "liger":
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -214,8 +232,10 @@ def forward_fn(method: str, beta: float, device: torch.device):
     from fastgrpo import reference
     from fastgrpo.loss import token_logprobs
 
-    if method == "fastgrpo":
+    if method in ("fastgrpo", "fused"):
         return lambda inp: token_logprobs(inp.x_valid, inp.weight.detach(), inp.ids_valid)[0]
+    if method == "torch_lce":
+        return lambda inp: _torch_logprobs(inp.x_valid, inp.weight.detach(), inp.ids_valid)
     if method == "reference":
         return lambda inp: reference.token_logprobs(inp.x_valid, inp.weight.detach(), inp.ids_valid)[0]
     if method == "trl":
@@ -226,12 +246,12 @@ def forward_fn(method: str, beta: float, device: torch.device):
     return lambda inp: inp.x_valid @ inp.weight.detach().T  # floor
 
 
-def floor_backward(inp: Inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The floor's backward: the GEMMs a chunked backward cannot avoid, with no softmax. Recompute z = X W^T
-    [Nv, V], then dX = z W [Nv, H] and dW = z^T X [V, H] (z stands in for dz: same shape, same cost); returns
-    (dX, dW). With `forward_fn("floor", ...)` it makes the floor's full mode."""
+def floor_backward(inp: Inputs, z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A floor's backward, the GEMMs of an exact method with no softmax: dX = z W [Nv, H] and dW = z^T X [V, H] (z
+    stands in for dz: same shape, same cost), from the forward's z = X W^T [Nv, V] (the 3-GEMM floor) or, with z None,
+    recomputing it (floor4); returns (dX, dW). With `forward_fn("floor", ...)` it makes a floor's full mode."""
     x, w = inp.x_valid, inp.weight.detach()
-    z = x @ w.T
+    z = x @ w.T if z is None else z
     return z @ w, z.T @ x
 
 
@@ -247,18 +267,21 @@ def measure_case(method: str, case: Case, settings: Settings) -> dict:
 
     if case.mode == "forward":
         with torch.no_grad():
-            seconds, peak, out = time_call(lambda _: forward_fn(method, case.beta or 0.0, device)(inp), device,
+            seconds, peak, out = harness.time_call(lambda _: forward_fn(method, case.beta or 0.0, device)(inp), device,
                                            **timing)
         if method == "liger":
             row["loss"] = out.item()
-        elif method != "floor":
+        elif method not in FLOORS:
             row["mean_logp"] = out.double().mean().item()
-    elif method == "floor":
+    elif method in FLOORS:
         forward = forward_fn("floor", 0.0, device)
+        stored = method == "floor"  # the 3-GEMM floor keeps the forward's z; floor4 recomputes it
         if case.mode == "backward":
-            seconds, peak, _ = time_call(lambda _: floor_backward(inp), device, **timing)
+            z = forward(inp) if stored else None  # untimed
+            seconds, peak, _ = harness.time_call(lambda _: floor_backward(inp, z), device, **timing)
         else:
-            seconds, peak, _ = time_call(lambda _: (forward(inp), floor_backward(inp)), device, **timing)
+            step = lambda _: floor_backward(inp, forward(inp) if stored else None)
+            seconds, peak, _ = harness.time_call(step, device, **timing)
     else:
         loss = loss_fn(method, case.beta, device)
 
@@ -271,9 +294,9 @@ def measure_case(method: str, case: Case, settings: Settings) -> dict:
             return value.detach()
 
         if case.mode == "backward":
-            seconds, peak, out = time_call(backward, device, setup=forward_then_clear, **timing)
+            seconds, peak, out = harness.time_call(backward, device, setup=forward_then_clear, **timing)
         else:
-            seconds, peak, out = time_call(lambda _: backward(loss(inp)), device, setup=clear_grads, **timing)
+            seconds, peak, out = harness.time_call(lambda _: backward(loss(inp)), device, setup=clear_grads, **timing)
             row["grad_hidden_norm"] = inp.hidden.grad.double().norm().item()
             row["grad_weight_norm"] = inp.weight.grad.double().norm().item()
         row["loss"] = out.item()
@@ -286,15 +309,16 @@ def measure_case(method: str, case: Case, settings: Settings) -> dict:
 def measure_all(method: str, cases: list[Case], settings: Settings) -> list[dict]:
     """Every case for one method, in this process; a failing case (out of memory) becomes a row with its error."""
     torch.set_num_threads(settings.threads)
-    if method == "fastgrpo":
+    if method in ("fastgrpo", "fused"):
         from fastgrpo.loss import resolve_backend
 
+        os.environ["FASTGRPO_BACKEND"] = "fused" if method == "fused" else "torch"
         backend = resolve_backend(torch.device(settings.device))
     rows = []
     for case in cases:
         try:
             row = measure_case(method, case, settings)
-            if method == "fastgrpo":
+            if method in ("fastgrpo", "fused"):
                 row["fastgrpo_backend"] = backend
         except Exception as error:  # noqa: BLE001 (torch.OutOfMemoryError and friends: report, go on)
             row = {"method": method, **asdict(case), "dtype": settings.dtype,
@@ -315,7 +339,7 @@ def run_isolated(method: str, cases: list[Case], settings: Settings) -> list[dic
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # freed tensors leave the resident set
         env.setdefault("OMP_NUM_THREADS", str(settings.threads))
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # no spin-waits on a CPU shared with other work
-    rows, error = run_in_child("fastgrpo.bench.loss", method, payload, env)
+    rows, error = harness.run_in_child("fastgrpo.bench.loss", method, payload, env)
     if error is not None:
         return [{"method": method, **asdict(c), "dtype": settings.dtype, "error": error} for c in cases]
     return rows
@@ -324,18 +348,22 @@ def run_isolated(method: str, cases: list[Case], settings: Settings) -> list[dic
 # -- the suite ------------------------------------------------------------------------------------------------------
 
 
-def available(method: str) -> str | None:
+def available(method: str, device: str) -> str | None:
     """None when the method can run here, else why not."""
     import importlib.util
 
-    package = {"trl": "trl", "liger": "liger_kernel"}.get(method)
+    package = {"trl": "trl", "liger": "liger_kernel", "fused": "triton"}.get(method)
     if package and importlib.util.find_spec(package) is None:
         return f"{method}: skipped, {package} is not installed"
+    if method == "fused" and device != "cuda":
+        return "fused: skipped, the fused Triton kernels time only on CUDA (the CPU interpreter checks correctness)"
+    if method == "torch_lce" and not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        return f"torch_lce: skipped, torch {torch.__version__} has no chunked F.linear_cross_entropy"
     return None
 
 
 def _key(row: dict, method: str | None = None) -> tuple:
-    return (row["head"], row["tokens"], row["mode"], None if method == "floor" else row["beta"])
+    return (row["head"], row["tokens"], row["mode"], None if method in FLOORS else row["beta"])
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -379,7 +407,7 @@ def plot(rows: list[dict], path) -> None:
                 for method in METHODS:
                     points = sorted((row["tokens"], row[key] * scale) for row in ok if row["method"] == method
                                     and row["head"] == head and row["mode"] == mode
-                                    and row["beta"] in ((None, beta) if method == "floor" else (beta,)))
+                                    and row["beta"] in ((None, beta) if method in FLOORS else (beta,)))
                     if points:
                         ax.plot(*zip(*points, strict=True), marker="o", label=method)
                 ax.set_xscale("log", base=2)
@@ -395,7 +423,7 @@ def plot(rows: list[dict], path) -> None:
 
 
 def cases_for(method: str, heads, tokens, betas, modes) -> list[Case]:
-    betas = (None,) if method == "floor" else betas  # the floor has no loss: one run serves every beta
+    betas = (None,) if method in FLOORS else betas  # a floor has no loss: one run serves every beta
     return [Case(head, n, beta, mode) for head in heads for n in tokens for beta in betas for mode in modes]
 
 
@@ -404,7 +432,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU smoke run, well under 2 minutes: heads " + ", ".join(QUICK["heads"]) +
                              f", N {QUICK['tokens']}, fp32, beta {QUICK['betas']}, 1 thread")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--dtype", choices=tuple(harness.DTYPES), help="default: bf16 on cuda, fp32 on cpu")
     parser.add_argument("--heads", nargs="+", choices=tuple(HEADS), help=f"lm heads (default: {', '.join(GPU_HEADS)})")
     parser.add_argument("--tokens", nargs="+", type=int, help=f"tokens N per case (default: {GPU_TOKENS})")
     parser.add_argument("--beta", nargs="+", type=float, help="KL coefficients (default: 0 0.04)")
@@ -419,10 +447,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
-    check_out_dir(args.out_dir)
+    device = harness.start_run(args)
     quick = args.quick
     heads = args.heads or (QUICK["heads"] if quick else GPU_HEADS)
     tokens = args.tokens or (QUICK["tokens"] if quick else GPU_TOKENS)
@@ -446,14 +471,14 @@ def run(args: argparse.Namespace) -> list[dict]:
                         repeats=repeats, warmup=warmup, threads=threads)
     rows, notes = [], []
     for method in args.methods:
-        reason = available(method)
+        reason = available(method, device)
         if reason:
             notes.append(reason)
             print(reason)
             continue
         rows += run_isolated(method, cases_for(method, heads, tokens, betas, args.modes), settings)
     add_ratios(rows)
-    env = environment(torch.device(device))
+    env = harness.environment(torch.device(device))
     for row in rows:
         row.update(env)
         if "error" not in row:
@@ -465,10 +490,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     order = {method: i for i, method in enumerate(METHODS)}
     rows.sort(key=lambda r: (r["head"], r["tokens"], MODES.index(r["mode"]), order[r["method"]],
                              -1 if r["beta"] is None else r["beta"]))
-    table = markdown_table(rows, [
+    table = harness.markdown_table(rows, [
         ("head", "head", ""), ("N", "tokens", "d"), ("mode", "mode", ""), ("method", "method", ""),
         ("beta", "beta", "g"), ("ms", "ms", ".3f"), ("TFLOP/s", "tflops", ".3f"), ("peak MiB", "peak_mib", ".1f"),
-        ("/ floor", "time_vs_floor", ".2f"), ("/ TRL", "time_vs_trl", ".2f"), ("/ Liger", "time_vs_liger", ".2f"),
+        ("/ floor", "time_vs_floor", ".2f"), ("/ floor4", "time_vs_floor4", ".2f"), ("/ TRL", "time_vs_trl", ".2f"),
+        ("/ torch", "time_vs_torch_lce", ".2f"), ("/ Liger", "time_vs_liger", ".2f"),
+        ("/ fused", "time_vs_fused", ".2f"),
         ("/ reference", "time_vs_reference", ".2f"), ("mem / TRL", "memory_vs_trl", ".2f"),
         ("loss", "loss", ".6f"), ("mean logp", "mean_logp", ".5f"),
     ])
@@ -478,8 +505,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     print(title)
     print(table)
     text = f"{title}\n\n{table}" + ("\n\n" + "\n".join(f"- {note}" for note in notes) if notes else "")
-    json_path, md_path = write_results(args.out_dir, "loss", env, rows, text)
-    exit_if_all_failed(rows, json_path)
+    json_path, md_path = harness.write_results(args.out_dir, "loss", env, rows, text)
+    harness.exit_if_all_failed(rows, json_path)
     png_path = md_path.with_suffix(".png")
     plot(rows, png_path)
     print(f"wrote {json_path}, {md_path} and {png_path}")
@@ -492,7 +519,7 @@ def _measure_payload(method: str, payload: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    suite_main(argv, __doc__, add_arguments, run, _measure_payload)
+    harness.suite_main(argv, __doc__, add_arguments, run, _measure_payload)
 
 
 if __name__ == "__main__":

@@ -15,18 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fastgrpo.bench import (
-    DTYPES,
-    SHAPES,
-    check_out_dir,
-    environment,
-    exit_if_all_failed,
-    markdown_table,
-    run_in_child,
-    suite_main,
-    time_call,
-    write_results,
-)
+from fastgrpo import bench as harness
 
 METHODS = ("fastgrpo", "hf_generate", "generate_batch")
 
@@ -49,12 +38,12 @@ class Workload:
 def build_model(workload: Workload):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**SHAPES[workload.shape], max_position_embeddings=32768, eos_token_id=None)
+    config = Qwen2Config(**harness.SHAPES[workload.shape], max_position_embeddings=32768, eos_token_id=None)
     torch.manual_seed(0)
     with torch.device(workload.device):
         model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = None
-    return model.to(DTYPES[workload.dtype]).eval()
+    return model.to(harness.DTYPES[workload.dtype]).eval()
 
 
 def _caller(method: str, model, workload: Workload):
@@ -92,7 +81,7 @@ def measure(method: str, workload: Workload) -> dict:
     warm, _ = _caller(method, model, small)
     warm()
     call, count = _caller(method, model, workload)
-    seconds, peak_bytes, out = time_call(lambda _: call(), device, repeats=1, warmup=0)
+    seconds, peak_bytes, out = harness.time_call(lambda _: call(), device, repeats=1, warmup=0)
     tokens = count(out)
     expected = workload.prompts * workload.group_size * workload.max_new_tokens
     assert tokens == expected, f"{method} generated {tokens} tokens, expected {expected}"
@@ -101,7 +90,7 @@ def measure(method: str, workload: Workload) -> dict:
 
 
 def run_isolated(method: str, workload: Workload) -> dict:
-    row, error = run_in_child("fastgrpo.bench.sampling", method, json.dumps(asdict(workload)))
+    row, error = harness.run_in_child("fastgrpo.bench.sampling", method, json.dumps(asdict(workload)))
     return row if error is None else {"method": method, **asdict(workload), "error": error}
 
 
@@ -116,8 +105,8 @@ def default_workload(device: str, quick: bool) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a few seconds on a CPU: tiny model, 2 x 4 x 16 tokens")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
-    parser.add_argument("--shape", choices=tuple(SHAPES), help="model shape (random weights)")
+    parser.add_argument("--dtype", choices=tuple(harness.DTYPES), help="default: bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--shape", choices=tuple(harness.SHAPES), help="model shape (random weights)")
     parser.add_argument("--prompts", type=int, help="number of prompts P")
     parser.add_argument("--group-size", type=int, help="completions per prompt G")
     parser.add_argument("--prompt-len", type=int, help="tokens per prompt")
@@ -127,10 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
-    check_out_dir(args.out_dir)
+    device = harness.start_run(args)
     defaults = default_workload(device, args.quick)
     chosen = dict(shape=args.shape, prompts=args.prompts, group_size=args.group_size, prompt_len=args.prompt_len,
                   max_new_tokens=args.max_new_tokens)
@@ -146,10 +132,10 @@ def run(args: argparse.Namespace) -> list[dict]:
             row["speedup_vs_hf_generate"] = row["tokens_per_s"] / baseline["tokens_per_s"]
             row["memory_vs_hf_generate"] = row["peak_memory_bytes"] / max(baseline["peak_memory_bytes"], 1)
         row["peak_memory_mib"] = row.get("peak_memory_bytes", 0) / 2**20 if "error" not in row else None
-    env = environment(torch.device(device))
+    env = harness.environment(torch.device(device))
     for row in rows:
         row.update(env)
-    table = markdown_table(rows, [("method", "method", ""), ("tokens/s", "tokens_per_s", ".1f"),
+    table = harness.markdown_table(rows, [("method", "method", ""), ("tokens/s", "tokens_per_s", ".1f"),
                                   ("seconds", "seconds", ".2f"), ("peak MiB", "peak_memory_mib", ".1f"),
                                   ("x HF generate", "speedup_vs_hf_generate", ".2f"),
                                   ("memory / HF generate", "memory_vs_hf_generate", ".2f")])
@@ -160,14 +146,14 @@ def run(args: argparse.Namespace) -> list[dict]:
     for row in rows:
         if "error" in row:
             print(f"{row['method']} failed: {row['error']}")
-    json_path, md_path = write_results(args.out_dir, "sampling", env, rows, f"{title}\n\n{table}")
+    json_path, md_path = harness.write_results(args.out_dir, "sampling", env, rows, f"{title}\n\n{table}")
     print(f"wrote {json_path} and {md_path}")
-    exit_if_all_failed(rows, json_path)
+    harness.exit_if_all_failed(rows, json_path)
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
-    suite_main(argv, __doc__, add_arguments, run,
+    harness.suite_main(argv, __doc__, add_arguments, run,
                lambda method, payload: measure(method, Workload(**json.loads(payload))))
 
 

@@ -23,18 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fastgrpo.bench import (
-    DTYPES,
-    SHAPES,
-    check_out_dir,
-    environment,
-    exit_if_all_failed,
-    markdown_table,
-    run_in_child,
-    suite_main,
-    time_call,
-    write_results,
-)
+from fastgrpo import bench as harness
 
 METHODS = ("trl", "fastgrpo")
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
@@ -74,11 +63,11 @@ def build_trainer(method: str, workload: Workload, output_dir: str):
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    config = Qwen2Config(**SHAPES[workload.shape], max_position_embeddings=32768, pad_token_id=PAD_ID,
+    config = Qwen2Config(**harness.SHAPES[workload.shape], max_position_embeddings=32768, pad_token_id=PAD_ID,
                          eos_token_id=EOS_ID, bos_token_id=EOS_ID)
     torch.manual_seed(0)
     with torch.device(workload.device):
-        model = Qwen2ForCausalLM(config).to(DTYPES[workload.dtype])
+        model = Qwen2ForCausalLM(config).to(harness.DTYPES[workload.dtype])
     B = workload.completions
     args = GRPOConfig(
         output_dir=output_dir, per_device_train_batch_size=B, num_generations=B, loss_type=workload.loss_type,
@@ -130,10 +119,10 @@ def measure(method: str, workload: Workload) -> dict:
             trainer.accelerator.backward(loss)
             return loss.detach()
 
-        # One untimed warm-up run; its peak counts too (see time_call).
+        # One untimed warm-up run; its peak counts too (see harness.time_call).
         timing = dict(repeats=workload.repeats, warmup=1, warmup_peaks=True)
-        logprobs_s, logprobs_peak, logps = time_call(lambda _: logprobs(), device, **timing)
-        step_s, step_peak, loss = time_call(lambda _: step(), device, **timing)
+        logprobs_s, logprobs_peak, logps = harness.time_call(lambda _: logprobs(), device, **timing)
+        step_s, step_peak, loss = harness.time_call(lambda _: step(), device, **timing)
     import trl
 
     from fastgrpo.loss import resolve_backend
@@ -148,7 +137,7 @@ def measure(method: str, workload: Workload) -> dict:
 
 
 def run_isolated(method: str, workload: Workload) -> dict:
-    row, error = run_in_child("fastgrpo.bench.trl_step", method, json.dumps(asdict(workload)))
+    row, error = harness.run_in_child("fastgrpo.bench.trl_step", method, json.dumps(asdict(workload)))
     return row if error is None else {"method": method, **asdict(workload), "error": error}
 
 
@@ -163,8 +152,8 @@ def default_workload(device: str, quick: bool) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a few seconds on a CPU: tiny model, 2 x 16 tokens")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
-    parser.add_argument("--shape", choices=tuple(SHAPES), help="model shape (random weights)")
+    parser.add_argument("--dtype", choices=tuple(harness.DTYPES), help="default: bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--shape", choices=tuple(harness.SHAPES), help="model shape (random weights)")
     parser.add_argument("--completions", type=int, help="completions in the micro-batch B")
     parser.add_argument("--prompt-len", type=int, help="prompt tokens per completion")
     parser.add_argument("--completion-len", type=int, help="tokens per completion T (all scored)")
@@ -178,10 +167,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available")
-    check_out_dir(args.out_dir)
+    device = harness.start_run(args)
     defaults = default_workload(device, args.quick)
     chosen = dict(shape=args.shape, completions=args.completions, prompt_len=args.prompt_len,
                   completion_len=args.completion_len, repeats=args.repeats, threads=args.threads)
@@ -203,10 +189,10 @@ def run(args: argparse.Namespace) -> list[dict]:
         if baseline:
             row["step_speedup_vs_trl"] = baseline["step_seconds"] / row["step_seconds"]
             row["step_memory_vs_trl"] = row["step_peak_bytes"] / max(baseline["step_peak_bytes"], 1)
-    env = environment(torch.device(device))
+    env = harness.environment(torch.device(device))
     for row in rows:
         row.update(env)
-    table = markdown_table(rows, [("method", "method", ""), ("loss", "loss", ".6f"),
+    table = harness.markdown_table(rows, [("method", "method", ""), ("loss", "loss", ".6f"),
                                   ("logprobs s", "logprobs_seconds", ".3f"),
                                   ("logprobs peak MiB", "logprobs_peak_mib", ".1f"),
                                   ("step s", "step_seconds", ".3f"), ("step peak MiB", "step_peak_mib", ".1f"),
@@ -221,14 +207,14 @@ def run(args: argparse.Namespace) -> list[dict]:
     for row in rows:
         if "error" in row:
             print(f"{row['method']} failed: {row['error']}")
-    json_path, md_path = write_results(args.out_dir, "trl-step", env, rows, f"{title}\n\n{table}")
+    json_path, md_path = harness.write_results(args.out_dir, "trl-step", env, rows, f"{title}\n\n{table}")
     print(f"wrote {json_path} and {md_path}")
-    exit_if_all_failed(rows, json_path)
+    harness.exit_if_all_failed(rows, json_path)
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
-    suite_main(argv, __doc__, add_arguments, run,
+    harness.suite_main(argv, __doc__, add_arguments, run,
                lambda method, payload: measure(method, Workload(**json.loads(payload))))
 
 

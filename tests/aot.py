@@ -166,6 +166,8 @@ def build_all(cases):
                             spill_stores=b.spill_stores, spill_loads=b.spill_loads,
                             tensor_cores=b.uses_tensor_cores(cc),
                             wgmma_bf16="wgmma.mma_async.sync.aligned" in b.ptx and ".bf16" in b.ptx,
+                            vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v4", b.ptx)),
+                            vector_stores=len(re.findall(r"st\.global(?:\.\w+)*\.v4", b.ptx)),
                             ptxas_report=b.ptxas_report))
     return results
 

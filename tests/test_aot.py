@@ -33,9 +33,13 @@ def builds():
 def test_kernel_builds_for_gpu(builds, name, dtype, cc):
     b = builds[(name, dtype, cc)]
     print(f"\n{name:24s} {dtype} sm_{cc}: {b['registers']} registers, {b['shared_bytes']} B shared, "
-          f"spills {b['spill_stores']}/{b['spill_loads']} B (stores/loads), tensor cores: {b['tensor_cores']}")
+          f"spills {b['spill_stores']}/{b['spill_loads']} B (stores/loads), tensor cores: {b['tensor_cores']}, "
+          f"16-byte loads/stores: {b['vector_loads']}/{b['vector_stores']}")
     if name in GEMM_KERNELS and dtype != "fp32":  # fp32 "ieee" products run on the FMA units by design
         assert b["tensor_cores"], f"{name} does not use tensor cores on sm_{cc}"
         if cc == 90 and dtype == "bf16" and name != "paged_attention_decode":  # wgmma needs M >= 64; decode has 16
             assert b["wgmma_bf16"], "expected bf16 wgmma on sm_90"
     assert b["spill_stores"] == 0 and b["spill_loads"] == 0, b["ptxas_report"]
+    if name in ROW_DTYPES:  # memory-bound passes: 16-byte loads of the logits (and 16-byte stores of dZ)
+        assert b["vector_loads"] > 0, f"{name} {dtype} sm_{cc}: no ld.global.v4 in its PTX"
+        assert name == "logit_row_stats" or b["vector_stores"] > 0, f"{name}: no st.global.v4 in its PTX"

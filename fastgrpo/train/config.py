@@ -21,6 +21,7 @@ from fastgrpo.loss_config import LOSS_TYPES, LossConfig
 BUILTIN = "builtin"  # model_name_or_path / dataset_name of the built-in arithmetic task
 DEFAULT_RECIPE = Path(__file__).parent / "default.yaml"
 REWARD_FUNCS = ("accuracy", "format", "length")
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL 1.16's
 SEED_LIMIT = 2**32  # numpy's seeding takes [0, 2**32), as does transformers' set_seed that TRL recipes call
 
 
@@ -106,6 +107,18 @@ class TrainConfig:
     sapo_temperature_pos: float = option(1.0, "sapo: the gate's temperature on positive advantages")
     sapo_temperature_neg: float = option(1.05, "sapo: the gate's temperature on negative advantages")
     num_iterations: int = option(1, "passes over each generation batch (mu); > 1 computes old logprobs")
+    entropy_coef: float = option(
+        0.0, "entropy bonus: the loss minus entropy_coef times the mean token entropy of each micro-batch (TRL's "
+             "static entropy_coef; never divided by the loss type's normaliser); 0 is off")
+    importance_sampling_correction: bool = option(
+        False, "weight the policy term by the truncated ratio of training to sampler probabilities (TRL's "
+               "vllm_importance_sampling_correction, on in TRL); off here because fastgrpo samples with the policy "
+               "itself, so the two differ by kernel rounding only, and on costs a no-grad forward per on-policy round")
+    importance_sampling_mode: str = option(
+        "sequence_mask", "the ratio per token or per sequence (its log summed over the tokens); truncate clamps it "
+                         "to [clip_min, clip_max], mask sets it to 0 outside", choices=IMPORTANCE_SAMPLING_MODES)
+    importance_sampling_clip_max: float | None = option(3.0, "C_max of importance_sampling_mode; None: no upper bound")
+    importance_sampling_clip_min: float | None = option(None, "C_min of importance_sampling_mode; None: no lower bound")
     # -- optimisation --
     learning_rate: float = option(1e-6, "AdamW peak learning rate", aliases=("--lr",))
     weight_decay: float = option(0.0, "AdamW weight decay")
@@ -196,9 +209,25 @@ class TrainConfig:
         bad_sinks = set(self.report_to) - {"tensorboard", "wandb", "none"}
         if bad_sinks:
             raise ValueError(f"report_to: unknown sinks {sorted(bad_sinks)}; choose from tensorboard, wandb, none")
+        self._check_importance_sampling()
         if self.resume and self.overwrite_output_dir:
             raise ValueError("resume and overwrite_output_dir contradict each other; pass one")
         self.loss_config()  # the loss options' checks
+
+    def _check_importance_sampling(self) -> None:
+        """TRL's checks of its vllm_importance_sampling_clip_min / _max, plus: the bounds are ratios, so >= 0."""
+        low, high = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+        for name, value in (("importance_sampling_clip_min", low), ("importance_sampling_clip_max", high)):
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be None or >= 0, got {value!r}")
+        if low is not None and high is not None and not low < high:
+            raise ValueError(f"importance_sampling_clip_min ({low}) must be less than importance_sampling_clip_max "
+                             f"({high})")
+        if self.importance_sampling_correction and self.importance_sampling_mode.endswith("_truncate") and (
+            low is None and high is None
+        ):
+            raise ValueError(f"importance_sampling_mode={self.importance_sampling_mode!r} needs "
+                             "importance_sampling_clip_min or importance_sampling_clip_max")
 
     def loss_config(self) -> LossConfig:
         """The loss options (loss_type, epsilon, beta, temperature, ...) as fastgrpo.loss's LossConfig."""

@@ -7,8 +7,9 @@ from pathlib import Path
 import torch
 from huggingface_hub import constants as hub_constants
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from fastgrpo.loss import logit_transform
+from fastgrpo.loss import head_transform
 from fastgrpo.models import find_hf_model
 from fastgrpo.sampling.engine import context_window
 from fastgrpo.train.config import BUILTIN, TrainConfig, is_local_path
@@ -83,13 +84,69 @@ def load_tokenizer(config: TrainConfig):
     return tokenizer
 
 
-def check_head(model: PreTrainedModel) -> None:
-    transform = logit_transform(model.config)
-    if transform is not None:
-        raise ValueError(f"model_name_or_path: {type(model).__name__} sets {transform[0]}={transform[1]}, a "
-                         "transformation of the logits that fastgrpo's fused loss does not apply")
+# The probe's logits span [-R, R], R = max(PROBE_SPAN, 4 * softcap): there a softcap bends them by ~75%, a logit scale
+# by |scale - 1|, both far past bf16's rounding (0.4% per operation); an ambiguous match keeps the config's transform.
+PROBE_SPAN = 64.0
+PROBE_TOLERANCE = 2**-5
+PLAIN_HEAD = {"logit_scale": 1.0, "logit_softcap": None}
+
+
+def check_head(model: PreTrainedModel) -> dict:
+    """The logit transform {logit_scale, logit_softcap} that fastgrpo's head must apply to score what `model` samples.
+
+    fastgrpo.loss.head_transform reads it from the config, and refuses the options the loss cannot apply. The sampler
+    runs the model's own forward, so an option honoured must be one that forward applies: the forward is probed with
+    the lm_head's output replaced by known logits. A config option the forward ignores (a Qwen2 config.json carrying
+    final_logit_softcapping: Qwen2's forward has no cap) is not honoured; a forward that transforms the logits
+    otherwise than its config says is refused.
+    """
+    name = type(model).__name__
     if model.get_output_embeddings() is None:
-        raise ValueError(f"model_name_or_path: {type(model).__name__} has no lm_head (output embeddings)")
+        raise ValueError(f"model_name_or_path: {name} has no lm_head (output embeddings)")
+    try:
+        head = head_transform(model.config)
+    except ValueError as error:
+        raise ValueError(f"model_name_or_path: {name} sets {error}") from None
+    logits, returned = _probe_logits(model, max(PROBE_SPAN, 4 * (head["logit_softcap"] or 0.0)))  # [V], [V]
+    for candidate in (head, PLAIN_HEAD):
+        expected = logits * candidate["logit_scale"]
+        if candidate["logit_softcap"] is not None:
+            expected = torch.tanh(expected / candidate["logit_softcap"]) * candidate["logit_softcap"]
+        if torch.allclose(returned, expected, rtol=PROBE_TOLERANCE, atol=PROBE_TOLERANCE):
+            return candidate
+    raise ValueError(f"model_name_or_path: {name}'s forward transforms the logits of its lm_head otherwise than its "
+                     f"config says ({head}), which fastgrpo's fused loss cannot reproduce")
+
+
+@torch.no_grad()
+def _probe_logits(model: PreTrainedModel, span: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(known logits [V] put out by the lm_head, what the model's forward returns for them [V]), fp32. The backbone
+    is stubbed out (its output is what the head reads, as in completion_hidden): no layer runs, so the probe costs
+    nothing and needs none of the layers' kernels (Liger's need CUDA)."""
+    backbone = getattr(model, model.base_model_prefix)
+    head = model.get_output_embeddings()
+    hidden = head.weight.new_zeros(1, 1, head.weight.shape[1])  # [1, 1, H]
+    known = []
+
+    def replace(module, args, output):  # [1, 1, V]
+        known.append(torch.linspace(-span, span, output.shape[-1], device=output.device).to(output.dtype))
+        return known[-1].expand_as(output)
+
+    own_forward = backbone.__dict__.get("forward")
+    backbone.forward = lambda *args, **kwargs: BaseModelOutputWithPast(last_hidden_state=hidden)
+    hook = head.register_forward_hook(replace)
+    try:
+        returned = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=hidden.device), use_cache=False).logits
+    finally:
+        hook.remove()
+        if own_forward is None:
+            del backbone.forward
+        else:
+            backbone.forward = own_forward
+    if not known:
+        raise ValueError(f"model_name_or_path: {type(model).__name__}'s forward does not call its lm_head module, so "
+                         "fastgrpo cannot check that its fused head computes the model's logits")
+    return known[-1].float(), returned[0, -1].float()
 
 
 # Liger's layer kernels only: the head and the loss are fastgrpo's.

@@ -1,5 +1,6 @@
 """One generation round's samples, their group advantages, and how they are cut into micro-batches."""
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,9 @@ class Rollout:
     loss_mask: list[list[int]]  # [P*G][T_i]: 1 on tokens that enter the loss
     old_logps: list[torch.Tensor] | None = None  # [P*G][T_i] fp32 (None: on-policy, the current logps)
     ref_logps: list[torch.Tensor] | None = None  # [P*G][T_i] fp32 (None: beta = 0)
+    sampling_logps: list[torch.Tensor] | None = None  # [P*G][T_i] fp32: the sampler's (None: no IS correction)
+    # The sampler's truncated IS correction: [P*G][T_i] per token, or [P*G] per sequence (None: off).
+    importance_weights: list[torch.Tensor] | torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -39,6 +43,46 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     return advantages.masked_fill(flat, 0.0), std, flat
 
 
+def sampler_importance_weights(rollout: Rollout, mode: str, clip_min: float | None,
+                               clip_max: float | None) -> tuple[list[torch.Tensor] | torch.Tensor, dict]:
+    """TRL 1.16's vllm_importance_sampling_ratio from the old (training-forward) and the sampler's logprobs:
+    (weights [P*G][T_i] for token_* modes or [P*G] for sequence_* modes, TRL's sampling/* metrics).
+
+    d = (old - sampling) * mask; the ratio is exp(d) per token, or exp(sum_t d) per sequence; *_truncate clamps it
+    to [clip_min, clip_max], *_mask sets it to 0 outside (a None bound is no bound). The sampler's logprobs are those of
+    the distribution it drew from (after temperature, top-k and top-p), as vLLM's processed logprobs that TRL uses; the
+    old ones are the full softmax at the temperature, so with top_k or top_p on, a ratio is the kept mass, below 1.
+    """
+    assert rollout.old_logps is not None and rollout.sampling_logps is not None, "needs the old and sampler logprobs"
+    lengths = [len(ids) for ids in rollout.completion_ids]
+    T = max(lengths)
+    old = _padded(rollout.old_logps, T, "cpu")  # [N, T]
+    sampling = _padded(rollout.sampling_logps, T, "cpu")  # [N, T]
+    mask = _padded([torch.tensor(m, dtype=torch.float32) for m in rollout.loss_mask], T, "cpu")  # [N, T]
+    diff = (old - sampling) * mask  # [N, T]
+    per_sequence = mode.startswith("sequence")
+    ratio = torch.exp(diff.sum(-1, keepdim=True) if per_sequence else diff)  # [N, 1] or [N, T]
+    if mode.endswith("_truncate"):
+        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+    else:
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    valid = mask != 0
+    delta = (old - sampling).abs()[valid]  # [tokens]
+    flat = ratio.flatten() if per_sequence else ratio[valid]
+    stat = lambda x, fn: float(fn(x)) if x.numel() else 0.0
+    metrics = {
+        "sampling/sampling_logp_difference/mean": stat(delta, torch.mean),
+        "sampling/sampling_logp_difference/max": stat(delta, torch.max),
+        "sampling/importance_sampling_ratio/min": stat(flat, torch.min),
+        "sampling/importance_sampling_ratio/mean": stat(flat, torch.mean),
+        "sampling/importance_sampling_ratio/max": stat(flat, torch.max),
+    }
+    weights = ratio[:, 0] if per_sequence else [row[:n] for row, n in zip(ratio, lengths, strict=True)]
+    return weights, metrics
+
+
 @dataclass(slots=True)
 class MicroBatch:
     index: list[int]  # sample indices into the rollout
@@ -49,6 +93,7 @@ class MicroBatch:
     prompt_lengths: list[int]
     old_logps: torch.Tensor | None  # [b, T]
     ref_logps: torch.Tensor | None  # [b, T]
+    importance_weights: torch.Tensor | None  # [b, T] per token or [b] per sequence
 
 
 def micro_batches(lengths: list[int], micro_batch_size: int, gradient_accumulation_steps: int,
@@ -90,4 +135,7 @@ def micro_batch(rollout: Rollout, index: list[int], device: torch.device) -> Mic
         prompt_lengths=[len(rollout.prompt_ids[i]) for i in index],
         old_logps=logps(rollout.old_logps),
         ref_logps=logps(rollout.ref_logps),
+        importance_weights=(rollout.importance_weights[index].to(device)
+                            if isinstance(rollout.importance_weights, torch.Tensor)
+                            else logps(rollout.importance_weights)),
     )

@@ -3,17 +3,22 @@
 Each step is one generation round:
   1. sample    P prompts x G completions from the policy with the paged engine (the policy's own weights)
   2. score     weighted rule rewards -> advantages per group (TRL's scale_rewards; flat groups get 0)
-  3. no-grad   reference logprobs (beta > 0; with LoRA the base with adapters off) and old logprobs (only when
-               updates go off-policy: num_iterations > 1 or several optimizer steps per round), fused logprob path
+  3. no-grad   reference logprobs (beta > 0; with LoRA the base with adapters off) and old logprobs (when updates
+               go off-policy: num_iterations > 1 or several optimizer steps per round, or with
+               importance_sampling_correction), fused logprob path; then TRL's truncated IS weights of old against
+               the sampler's logprobs (importance_sampling_correction)
   4. update    num_iterations passes; each optimizer step accumulates micro-batches: backbone forward (gradient
                checkpointing; packed when the attention is varlen, else length-bucketed padding) -> completion
                hidden states -> fastgrpo.loss.fused_grpo_loss -> backward; then clip, AdamW, LR schedule
   5. log, evaluate (pass@1 on held-out prompts), checkpoint
 
 Loss normalisation across micro-batches follows TRL 1.16: the per-micro-batch loss is divided by
-gradient_accumulation_steps, except dapo/cispo, which divide by the loss tokens of an average optimizer step.
+gradient_accumulation_steps, except dapo/cispo, which divide by the loss tokens of an average optimizer step. The
+entropy bonus (entropy_coef) is each micro-batch's mean token entropy divided by gradient_accumulation_steps, for every
+loss type. The head scores logits as the model's forward makes them (its logit scale or softcap, model.check_head).
 """
 
+import dataclasses
 import datetime
 import math
 import time
@@ -25,7 +30,7 @@ import torch
 from transformers import get_scheduler
 
 from fastgrpo.loss import fused_grpo_loss, token_logprobs
-from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES
+from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES, LossConfig
 from fastgrpo.memory import peak_memory, reset_peak_memory
 from fastgrpo.models import find_hf_model, stop_token_ids
 from fastgrpo.sampling import Engine, SamplingParams
@@ -45,6 +50,7 @@ from fastgrpo.train.logs import (
 )
 from fastgrpo.train.model import (
     PACKED_ATTENTION,
+    check_head,
     completion_hidden,
     lm_head,
     load_policy,
@@ -52,7 +58,7 @@ from fastgrpo.train.model import (
     load_tokenizer,
 )
 from fastgrpo.train.rewards import Rewards, accuracy
-from fastgrpo.train.rollout import Rollout, group_advantages, micro_batch, micro_batches
+from fastgrpo.train.rollout import Rollout, group_advantages, micro_batch, micro_batches, sampler_importance_weights
 from fastgrpo.train.run_dir import RunDir
 
 RESERVED_REWARD_ARGS = ("prompts", "completions", "completion_ids")
@@ -61,6 +67,16 @@ RESERVED_REWARD_ARGS = ("prompts", "completions", "completion_ids")
 def seed_for(*key) -> int:
     """A 32-bit seed that depends on `key` only (its repr), the same in every process and run."""
     return zlib.crc32(repr(key).encode())
+
+
+def loss_config(config: TrainConfig, head: dict) -> LossConfig:
+    """The loss options with the model's logit transform `head`. TRL's entropy bonus is a micro-batch mean divided by
+    gradient_accumulation_steps, never by the loss type's normaliser; dapo / cispo losses are not divided by
+    gradient_accumulation_steps (their num_items_in_batch spans the optimizer step), so their coefficient is."""
+    options = dataclasses.replace(config.loss_config(), **head)
+    if config.loss_type in TOKEN_NORMALISED_LOSS_TYPES:
+        options = dataclasses.replace(options, entropy_coef=config.entropy_coef / config.gradient_accumulation_steps)
+    return options
 
 
 def _output_dir(config: TrainConfig) -> Path:
@@ -125,7 +141,8 @@ class Trainer:
         self.engine = Engine(self.model, tokenizer=self.tokenizer, block_size=config.block_size,
                              memory_fraction=config.sampling_memory_fraction)
         self.stop_token_ids = stop_token_ids(self.model, self.tokenizer)
-        self.loss_config = config.loss_config()
+        self.head = check_head(find_hf_model(self.model))  # {logit_scale, logit_softcap}
+        self.loss_config = loss_config(config, self.head)
 
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.parameters, lr=config.learning_rate, weight_decay=config.weight_decay,
@@ -223,8 +240,15 @@ class Trainer:
         # 3. no-grad logprobs
         if config.beta != 0:
             rollout.ref_logps = self._reference_logprobs(rollout)
-        if config.num_iterations > 1 or config.steps_per_generation > config.gradient_accumulation_steps:
+        correct = config.importance_sampling_correction
+        if correct or config.num_iterations > 1 or config.steps_per_generation > config.gradient_accumulation_steps:
             rollout.old_logps = self._logprobs(self.model, rollout)
+        sampling_metrics = {}
+        if correct:
+            rollout.sampling_logps = [torch.tensor(c.logprobs, dtype=torch.float32) for c in completions]
+            rollout.importance_weights, sampling_metrics = sampler_importance_weights(
+                rollout, config.importance_sampling_mode, config.importance_sampling_clip_min,
+                config.importance_sampling_clip_max)
         timer.lap("reference")
 
         # 4. update
@@ -237,6 +261,7 @@ class Trainer:
             **stats,
             **reward_metrics(self.rewards, per_func, rewards, std, flat),
             **length_metrics(lengths, truncated),
+            **sampling_metrics,
             "num_tokens": self.num_tokens,
             "learning_rate": self.scheduler.get_last_lr()[0],
             "sampling/preemptions": self.engine.stats.num_preemptions,
@@ -264,9 +289,11 @@ class Trainer:
                                                self.packed)  # [b, T, H]
                     loss, micro_metrics = fused_grpo_loss(
                         hidden, weight, mb.completion_ids, mb.mask, mb.advantages, bias=bias, old_logps=mb.old_logps,
-                        ref_logps=mb.ref_logps, config=self.loss_config,
+                        ref_logps=mb.ref_logps, config=self.loss_config, importance_weights=mb.importance_weights,
                         num_items_in_batch=num_items if config.loss_type in TOKEN_NORMALISED_LOSS_TYPES else None,
                     )  # fmt: skip
+                    if self.loss_config.entropy_coef != 0.0:  # TRL's policy_loss: the loss before the bonus
+                        micro_metrics["policy_loss"] = loss + self.loss_config.entropy_coef * micro_metrics["entropy"]
                     if config.loss_type not in TOKEN_NORMALISED_LOSS_TYPES:
                         loss = loss / config.gradient_accumulation_steps
                     loss.backward()
@@ -295,7 +322,7 @@ class Trainer:
             mb = micro_batch(rollout, list(range(start, min(start + size, len(rollout)))), self.device)
             hidden = completion_hidden(model, mb.sequences, mb.prompt_lengths, mb.mask.shape[1], self.packed)
             logps, _ = token_logprobs(hidden, weight, mb.completion_ids, bias=bias,
-                                      temperature=self.config.temperature)  # [b, T]
+                                      temperature=self.config.temperature, **self.head)  # [b, T]
             out += [row[: len(rollout.completion_ids[i])].float().cpu() for row, i in zip(logps, mb.index, strict=True)]
         model.train(was_training)
         return out

@@ -4,8 +4,9 @@ For the training loss each token's upstream gradient g_t = dL/dlogp_t is known a
 normalisers depend only on the mask and `num_items_in_batch`, and the per-token objective only on the token (token
 level) or on its own sequence (sequence level). So each chunk of tokens runs GEMM 1, the row statistics, the
 per-token objective and its gradient on C numbers (`fastgrpo.reference.token_objective` under autograd: the one
-copy of TRL's math), the dZ pass and GEMMs 2 and 3 (fastgrpo/chunked.py), and the autograd backward only scales the
-saved dX, dW, db by grad_output. Three GEMMs in all, no recompute.
+copy of TRL's math), the dZ pass and GEMMs 2 and 3 (fastgrpo/chunked.py), and the backward (fastgrpo.ops registers
+it with the op fastgrpo::grpo_head_loss) only scales the saved dX, dW, db by grad_output. Three GEMMs in all, no
+recompute.
 
 Sequence-level ratios (GSPO) need a whole sequence's logprobs before any of its gradients: chunks then hold whole
 sequences, and a sequence longer than a chunk takes two passes (its logprobs, then its chunks' logits again);
@@ -18,9 +19,14 @@ import torch
 
 from fastgrpo import reference
 from fastgrpo.chunked import HeadGrads, LogitMap, chunk_tokens, logprobs_no_grad
-from fastgrpo.loss_config import LossConfig
+from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES, LossConfig
 
 STATS = {"two_pass_sequences": 0}
+# The dispatch keys autograd runs on. A registered op's kernel runs with them excluded (the dispatcher is below the
+# op's own autograd there, as in every aten kernel), so the objective's gradient on C numbers lifts the exclusion.
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradCPU,  # removes the Autograd functionality of every backend
+                  torch._C.DispatchKey.AutogradOther, torch._C.DispatchKey.AutogradNestedTensor,
+                  torch._C.DispatchKey.ADInplaceOrView)
 
 
 @dataclass(frozen=True)
@@ -60,11 +66,19 @@ def _units(N: int, chunk: int, row_lengths: list[int] | None) -> list[_Unit]:
     return units
 
 
+def _autograd_on():
+    """Autograd back on inside an op's kernel (fastgrpo::grpo_head_loss); outside one nothing is excluded."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        excluded = excluded.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded)
+
+
 def _objective_and_grad(logp, unit: _Unit, tokens: TokenInputs, config: LossConfig):
     """The unit's share of the loss, sum_n w_n l_n, and its gradient w.r.t. the unit's logp [n]."""
     sl = slice(unit.start, unit.end)
     part = lambda t: None if t is None else t[sl]
-    with torch.enable_grad():
+    with _autograd_on(), torch.enable_grad():
         lp = logp.detach().requires_grad_(True)  # [n]
         if unit.lengths is None:  # token level: every token on its own, as one row [1, n]
             rows = lambda t: None if t is None else t[None]
@@ -124,34 +138,64 @@ def _entropy_bonus(part, entropy, tokens: TokenInputs):
     return part + (h * entropy).sum(), h
 
 
-class GRPOHeadFunction(torch.autograd.Function):
-    """(x [N, H], weight [V, H], bias [V] | None, ids [N], tokens, config) -> (loss [], logp [N], entropy [N]).
-
-    The forward computes the gradients; the backward scales them by grad_output. logp and entropy are not
-    differentiable outputs."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, ids, tokens, config):
-        need = ctx.needs_input_grad[:3]
-        loss, logp, ent, grads = _loss_and_grads(x, weight, bias, ids, tokens, config, need)
-        result = grads.result()  # (dX, dW, db), None where not wanted
-        ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in result))
-        ctx.has = [t is not None for t in result]
-        ctx.mark_non_differentiable(logp, ent)
-        return loss, logp, ent
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_logp, _grad_ent):
-        scaled = [t * grad_loss.to(t.dtype) if has else None
-                  for t, has in zip(ctx.saved_tensors, ctx.has, strict=True)]
-        return (*scaled, None, None, None)
-
-
-def grpo_head(x, weight, bias, ids, tokens: TokenInputs, config: LossConfig):
-    """(loss or None, logp [N], entropy [N]); the loss carries the gradient when autograd wants one, else only
-    the logprobs are computed (one GEMM and the row statistics per chunk) and the loss is None."""
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
+def grpo_head(x, weight, bias, ids, tokens: TokenInputs, config: LossConfig, wants_grad):
+    """(loss or None, logp [N], entropy [N], (dX [N, H], dW [V, H], db [V]) with None where not wanted) for x [N, H],
+    ids [N]; wants_grad: (x, weight, bias). With no gradient wanted only the logprobs are computed (one GEMM and the
+    row statistics per chunk) and the loss is None."""
+    if not any(wants_grad):
         logits = LogitMap.of(config.temperature, config.logit_scale, config.logit_softcap)
         logp, ent = logprobs_no_grad(x, weight, bias, ids, logits)
-        return None, logp, ent
-    return GRPOHeadFunction.apply(x, weight, bias, ids, tokens, config)
+        return None, logp, ent, (None, None, None)
+    loss, logp, ent, grads = _loss_and_grads(x, weight, bias, ids, tokens, config, wants_grad)
+    return loss, logp, ent, grads.result()
+
+
+def row_weights(mask, config, num_items_in_batch):
+    """w_b such that loss = sum_b w_b sum_t m_bt l_bt, for each loss type's normalisation (TRL 1.16)."""
+    B = mask.shape[0]
+    lengths = mask.sum(-1)  # [B]
+    t = config.loss_type
+    if t in ("grpo", "sapo"):
+        return 1.0 / (B * lengths.clamp(min=1.0))
+    if t == "bnpo":
+        norm = mask.sum().clamp(min=1.0)
+    elif t == "dr_grpo":
+        norm = torch.tensor(float(B * config.max_completion_length), device=mask.device)
+    elif t in TOKEN_NORMALISED_LOSS_TYPES:
+        items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=mask.device)
+        norm = items.to(mask.dtype).clamp(min=1.0)
+    else:  # luspo
+        norm = torch.tensor(float(B), device=mask.device)
+    return (1.0 / norm).expand(B).contiguous()
+
+
+def grpo_head_loss(hidden, weight, bias, completion_ids, completion_mask, advantages, old_logps, ref_logps,
+                   importance_weights, num_items_in_batch, config: LossConfig, wants_grad):
+    """The default path of `fastgrpo.loss.fused_grpo_loss`: grpo_head on the valid tokens (gradient in the forward),
+    TRL's metrics from the reference's math on the [B, T] logprobs (no gradient).
+
+    hidden [B, T, H]; the rest as in fused_grpo_loss; wants_grad: (hidden, weight, bias). Returns (loss [], metrics:
+    dict of 0-dim tensors, (dX [B, T, H], dW [V, H], db [V]) with None where not wanted)."""
+    B, T, H = hidden.shape
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    valid = completion_mask != 0  # [B, T]
+    index = valid.reshape(-1).nonzero().squeeze(1)  # [N] row-major
+    per_token = lambda t: None if t is None else t.reshape(-1)[index].detach().to(dtype)  # [B, T] -> [N]
+    per_row = advantages[:, None].expand(B, T) if advantages.dim() == 1 else advantages  # [B, T]
+    lengths = valid.sum(-1)  # [B]
+    if importance_weights is not None and importance_weights.shape != (B, T):
+        importance_weights = importance_weights.reshape(B, 1).expand(B, T)  # one weight per sequence
+    tokens = TokenInputs(
+        advantages=per_token(per_row), old_logps=per_token(old_logps), ref_logps=per_token(ref_logps),
+        weights=row_weights(completion_mask.to(dtype), config, num_items_in_batch)[index // T].to(dtype),
+        row_lengths=lengths[lengths > 0].tolist() if config.importance_sampling_level == "sequence" else None,
+        importance_weights=per_token(importance_weights), entropy_weight=config.entropy_coef / max(index.numel(), 1),
+    )  # fmt: skip
+    loss, logp, ent, (dx, dw, db) = grpo_head(hidden.reshape(-1, H)[index], weight, bias,
+                                              completion_ids.reshape(-1)[index], tokens, config, wants_grad)
+    scatter = lambda t: t.new_zeros(B * T, *t.shape[1:]).index_copy_(0, index, t).view(B, T, *t.shape[1:])  # [N, ...]
+    with torch.no_grad():
+        value, metrics = reference.grpo_loss(scatter(logp), completion_mask, advantages, old_logps=old_logps,
+                                             ref_logps=ref_logps, config=config, importance_weights=importance_weights,
+                                             num_items_in_batch=num_items_in_batch, entropies=scatter(ent))
+    return (value if loss is None else loss), metrics, (None if dx is None else scatter(dx), dw, db)

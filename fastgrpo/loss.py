@@ -19,9 +19,9 @@ import os
 import torch
 from torch import nn
 
-from fastgrpo import chunked, reference
-from fastgrpo.grpo_head import TokenInputs, grpo_head
-from fastgrpo.loss_config import CLIP_LOSS_TYPES, TOKEN_NORMALISED_LOSS_TYPES, LossConfig
+from fastgrpo import chunked, ops, reference
+from fastgrpo.grpo_head import row_weights
+from fastgrpo.loss_config import CLIP_LOSS_TYPES, LossConfig
 
 __all__ = ["LossConfig", "GRPOLoss", "token_logprobs", "grpo_loss", "fused_grpo_loss", "resolve_backend",
            "logit_transform", "head_transform"]
@@ -72,6 +72,9 @@ def resolve_backend(device: torch.device) -> str:
 
 
 # -- input checks: every message names the argument and what was expected --------------------------------------
+# Under torch.compile the checks that read tensor values (a host sync: `.any()`, `.all()`, `.item()`, `.tolist()`),
+# which would break the graph, are skipped: token ids in range, advantages finite, num_items_in_batch finite and
+# >= 0. Types, shapes, dtypes, devices and options are static under tracing and stay checked.
 
 
 def _check_float(name, t, ndim=None):
@@ -111,6 +114,8 @@ def _check_head(hidden, weight, bias, token_ids, valid=None):
         raise ValueError(f"token_ids must have shape {tuple(hidden.shape[:-1])} (hidden's leading dims), "
                          f"got {tuple(token_ids.shape)}")
     _check_same_device("hidden", hidden, weight=weight, bias=bias, token_ids=token_ids)
+    if torch.compiler.is_compiling():
+        return  # the range check reads the ids
     V = weight.shape[0]
     out_of_range = (token_ids < 0) | (token_ids >= V)
     if valid is not None:
@@ -157,11 +162,12 @@ def _check_loss_inputs(like_name, like, completion_mask, advantages, old_logps, 
         raise ValueError(f"ref_logps is required when config.beta != 0 (beta = {config.beta})")
     _check_same_device(like_name, like, completion_mask=completion_mask, advantages=advantages, old_logps=old_logps,
                        ref_logps=ref_logps)
-    if not torch.isfinite(advantages).all():
+    compiling = torch.compiler.is_compiling()  # value checks skipped
+    if not compiling and not torch.isfinite(advantages).all():
         raise ValueError("advantages must be finite; found NaN or inf")
     if num_items_in_batch is not None:
         items = torch.as_tensor(num_items_in_batch)
-        if items.numel() != 1 or not torch.isfinite(items.float()).all() or items.item() < 0:
+        if items.numel() != 1 or (not compiling and (not torch.isfinite(items.float()).all() or items.item() < 0)):
             raise ValueError(f"num_items_in_batch must be one finite number >= 0, got {num_items_in_batch!r}")
 
 
@@ -178,25 +184,20 @@ def _token_offsets(hidden, index):
     return offsets.reshape(-1)[index]
 
 
-def _selected_logprobs(hidden, weight, bias, token_ids, valid, logits: chunked.LogitMap, backend):
-    """logp and entropy [N] fp32 (>= fp32) of the tokens where `valid` ([...] bool, or None for all), plus their
-    flat index into hidden's leading dims."""
-    H = hidden.shape[-1]
+def _selected_logprobs(hidden, weight, bias, token_ids, valid, logits: chunked.LogitMap):
+    """The fused Triton kernel's logp and entropy [N] fp32 of the tokens where `valid` ([...] bool, or None for all),
+    plus their flat index into hidden's leading dims."""
+    from fastgrpo.kernels.logprob import LinearLogprobFunction
+
     flat_ids = token_ids.reshape(-1)
     index = (torch.arange(flat_ids.numel(), device=hidden.device) if valid is None
              else valid.reshape(-1).nonzero().squeeze(1))
-    ids = flat_ids[index]
-    if backend == "triton":
-        from fastgrpo.kernels.logprob import LinearLogprobFunction
-
-        if logits.softcap is not None:
-            raise ValueError("FASTGRPO_BACKEND=fused does not apply a logit softcap; use the default backend")
-        if hidden.stride(-1) != 1:
-            hidden = hidden.contiguous()
-        return (*LinearLogprobFunction.apply(hidden, weight.contiguous(), bias, index, _token_offsets(hidden, index),
-                                             ids, 1.0 / logits.scale), index)  # the kernel divides
-    x = hidden.reshape(-1, H)[index]  # [N, H]
-    return (*chunked.ChunkedLinearLogprobFunction.apply(x, weight, bias, ids, logits), index)
+    if logits.softcap is not None:
+        raise ValueError("FASTGRPO_BACKEND=fused does not apply a logit softcap; use the default backend")
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    return (*LinearLogprobFunction.apply(hidden, weight.contiguous(), bias, index, _token_offsets(hidden, index),
+                                         flat_ids[index], 1.0 / logits.scale), index)  # the kernel divides
 
 
 def _check_logit_map(temperature, logit_scale, logit_softcap) -> chunked.LogitMap:
@@ -224,36 +225,10 @@ def token_logprobs(hidden, weight, token_ids, *, bias=None, temperature=1.0, ret
         return reference.token_logprobs(hidden, weight, token_ids, bias=bias, temperature=temperature,
                                         return_entropy=return_entropy, logit_scale=logit_scale,
                                         logit_softcap=logit_softcap)
-    shape = token_ids.shape
-    if backend == "torch" and not _wants_grad(hidden, weight, bias):  # old / ref / eval passes: one GEMM per chunk
-        logp, ent = chunked.logprobs_no_grad(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
-                                             token_ids.reshape(-1), logits, entropy=return_entropy)
-        return logp.view(shape), ent.view(shape) if return_entropy else None
-    logp, ent, _ = _selected_logprobs(hidden, weight, bias, token_ids, None, logits, backend)
-    return logp.view(shape), ent.view(shape) if return_entropy else None
-
-
-def _wants_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-def _row_weights(mask, config, num_items_in_batch):
-    """w_b such that loss = sum_b w_b sum_t m_bt l_bt, for each loss type's normalisation (TRL 1.16)."""
-    B = mask.shape[0]
-    lengths = mask.sum(-1)  # [B]
-    t = config.loss_type
-    if t in ("grpo", "sapo"):
-        return 1.0 / (B * lengths.clamp(min=1.0))
-    if t == "bnpo":
-        norm = mask.sum().clamp(min=1.0)
-    elif t == "dr_grpo":
-        norm = torch.tensor(float(B * config.max_completion_length), device=mask.device)
-    elif t in TOKEN_NORMALISED_LOSS_TYPES:
-        items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=mask.device)
-        norm = items.to(mask.dtype).clamp(min=1.0)
-    else:  # luspo
-        norm = torch.tensor(float(B), device=mask.device)
-    return (1.0 / norm).expand(B).contiguous()
+    if backend == "torch":  # fastgrpo::token_logprobs: one GEMM per chunk, the backward recomputes
+        return ops.token_logprobs(hidden, weight, bias, token_ids, logits, return_entropy)
+    logp, ent, _ = _selected_logprobs(hidden, weight, bias, token_ids, None, logits)
+    return logp.view(token_ids.shape), ent.view(token_ids.shape) if return_entropy else None
 
 
 def _kernel_metrics(row_stats, mask, advantages, config, entropies):
@@ -298,7 +273,7 @@ def _grpo_loss(logps, completion_mask, advantages, old_logps, ref_logps, config,
     mask = completion_mask.to(torch.float32).contiguous()
     loss, row_stats = GRPOTokenLossFunction.apply(
         logps.float().contiguous(), f32(old_logps), f32(ref_logps), f32(advantages), mask,
-        _row_weights(mask, config, num_items_in_batch), config,
+        row_weights(mask, config, num_items_in_batch), config,
     )
     return loss, _kernel_metrics(row_stats, mask, advantages, config, entropies)
 
@@ -343,11 +318,11 @@ def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages,
         return reference.fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias=bias,
                                          old_logps=old_logps, ref_logps=ref_logps, config=config,
                                          num_items_in_batch=num_items_in_batch, importance_weights=importance_weights)
-    if backend == "torch":
-        return _head_grpo_loss(hidden, weight, bias, completion_ids, completion_mask, valid, advantages, old_logps,
-                               ref_logps, config, num_items_in_batch, importance_weights)
+    if backend == "torch":  # fastgrpo::grpo_head_loss: the gradient computed in the forward (fastgrpo.grpo_head)
+        return ops.grpo_head_loss(hidden, weight, bias, completion_ids, completion_mask, advantages, old_logps,
+                                  ref_logps, importance_weights, num_items_in_batch, config)
     logits = chunked.LogitMap.of(config.temperature, config.logit_scale, config.logit_softcap)
-    logp, ent, index = _selected_logprobs(hidden, weight, bias, completion_ids, valid, logits, backend)
+    logp, ent, index = _selected_logprobs(hidden, weight, bias, completion_ids, valid, logits)
     B, T = completion_mask.shape
     logps = logp.new_zeros(B * T).index_copy(0, index, logp).view(B, T)  # differentiable scatter
     if config.entropy_coef == 0.0:
@@ -355,34 +330,6 @@ def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages,
     entropies = ent.new_zeros(B * T).index_copy(0, index, ent).view(B, T)
     return _grpo_loss(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch,
                       entropies, backend, importance_weights)
-
-
-def _head_grpo_loss(hidden, weight, bias, completion_ids, completion_mask, valid, advantages, old_logps, ref_logps,
-                    config, num_items_in_batch, importance_weights):
-    """The default path: fastgrpo.grpo_head on the valid tokens (gradient in the forward), TRL's metrics from the
-    reference's math on the [B, T] logprobs (no gradient)."""
-    B, T, H = hidden.shape
-    dtype = torch.promote_types(hidden.dtype, torch.float32)
-    index = valid.reshape(-1).nonzero().squeeze(1)  # [N] row-major
-    per_token = lambda t: None if t is None else t.reshape(-1)[index].detach().to(dtype)  # [B, T] -> [N]
-    per_row = advantages[:, None].expand(B, T) if advantages.dim() == 1 else advantages  # [B, T]
-    lengths = valid.sum(-1)  # [B]
-    if importance_weights is not None and importance_weights.shape != (B, T):
-        importance_weights = importance_weights.reshape(B, 1).expand(B, T)  # one weight per sequence
-    tokens = TokenInputs(
-        advantages=per_token(per_row), old_logps=per_token(old_logps), ref_logps=per_token(ref_logps),
-        weights=_row_weights(completion_mask.to(dtype), config, num_items_in_batch)[index // T].to(dtype),
-        row_lengths=lengths[lengths > 0].tolist() if config.importance_sampling_level == "sequence" else None,
-        importance_weights=per_token(importance_weights), entropy_weight=config.entropy_coef / max(index.numel(), 1),
-    )  # fmt: skip
-    loss, logp, ent = grpo_head(hidden.reshape(-1, H)[index], weight, bias, completion_ids.reshape(-1)[index], tokens,
-                                config)
-    scatter = lambda t: t.new_zeros(B * T).index_copy_(0, index, t).view(B, T)  # [N] -> [B, T]
-    with torch.no_grad():
-        value, metrics = reference.grpo_loss(scatter(logp), completion_mask, advantages, old_logps=old_logps,
-                                             ref_logps=ref_logps, config=config, importance_weights=importance_weights,
-                                             num_items_in_batch=num_items_in_batch, entropies=scatter(ent))
-    return (value if loss is None else loss), metrics
 
 
 class GRPOLoss(nn.Module):

@@ -28,8 +28,8 @@ def test_bench_loss_tiny_writes_results_and_agrees_with_reference(tmp_path):
     pytest.importorskip("matplotlib")
     methods = ["fastgrpo", "reference", "torch_lce", "floor", "floor4"] + (["trl"] if _installed("trl") else [])
     out = bench("--device", "cpu", "--heads", "cpu-h64-v4096", "--tokens", "80", "--beta", "0", "0.04",
-                "--repeats", "1", "--warmup", "0", "--threads", "1", "--methods", *methods, "liger", "fused",
-                "--out-dir", str(tmp_path), cwd=tmp_path)
+                "--repeats", "1", "--warmup", "0", "--threads", "1", "--rounds", "2", "--methods", *methods, "liger",
+                "fused", "--out-dir", str(tmp_path), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     (json_path,) = tmp_path.glob("loss-*.json")
     (md_path,) = tmp_path.glob("loss-*.md")
@@ -38,6 +38,7 @@ def test_bench_loss_tiny_writes_results_and_agrees_with_reference(tmp_path):
     rows = json.loads(json_path.read_text())["rows"]
     for row in rows:
         assert "error" not in row, row
+        assert row["rounds"] == 2  # each row is the median of two interleaved rounds
         assert row["seconds"] > 0 and row["peak_bytes"] is not None and row["flops"] == flop_count(
             row["method"], row["mode"], Case(row["head"], row["tokens"], row["beta"], row["mode"]))
         for key in ("device", "torch", "transformers", "date", "dtype", "hidden_size", "vocab_size", "tokens"):

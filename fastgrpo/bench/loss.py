@@ -279,8 +279,8 @@ def measure_case(method: str, case: Case, settings: Settings) -> dict:
         if case.mode == "backward":
             z = forward(inp) if stored else None  # untimed
             seconds, peak, _ = harness.time_call(lambda _: floor_backward(inp, z), device, **timing)
-        else:
-            step = lambda _: floor_backward(inp, forward(inp) if stored else None)
+        else:  # floor: forward, then dX and dW from its z; floor4: forward, then recompute z, dX and dW
+            step = lambda _: floor_backward(inp, forward(inp)) if stored else (forward(inp), floor_backward(inp))
             seconds, peak, _ = harness.time_call(step, device, **timing)
     else:
         loss = loss_fn(method, case.beta, device)
@@ -443,6 +443,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int,
                         help="torch threads (default: torch's; --quick: 1, since OpenMP spin-waits on a CPU shared "
                              "with other work can make 2-thread runs many times slower)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every method's process this many times, interleaved (A B C, A B C, ...), and keep "
+                             "each case's median round: ratios that hold on a machine whose speed drifts")
     parser.add_argument("--out-dir", default="benchmarks/results", help="where the .json, .md and .png go")
 
 
@@ -469,14 +472,24 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"--threads must be >= 1, got {threads}")
     settings = Settings(device=device, dtype=args.dtype or ("bf16" if device == "cuda" else "fp32"),
                         repeats=repeats, warmup=warmup, threads=threads)
-    rows, notes = [], []
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    notes, methods = [], []
     for method in args.methods:
         reason = available(method, device)
         if reason:
             notes.append(reason)
             print(reason)
-            continue
-        rows += run_isolated(method, cases_for(method, heads, tokens, betas, args.modes), settings)
+        else:
+            methods.append(method)
+    # Rounds interleave the methods' processes (A B C, A B C, ...), so a machine whose speed drifts during the run
+    # slows every method alike; each row is the round with the median time.
+    cases = {method: cases_for(method, heads, tokens, betas, args.modes) for method in methods}
+    runs = {method: [] for method in methods}  # per method, one list of rows per round
+    for _ in range(args.rounds):
+        for method in methods:
+            runs[method].append(run_isolated(method, cases[method], settings))
+    rows = [_median_round([run[i] for run in runs[method]]) for method in methods for i in range(len(cases[method]))]
     add_ratios(rows)
     env = harness.environment(torch.device(device))
     for row in rows:
@@ -500,7 +513,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         ("loss", "loss", ".6f"), ("mean logp", "mean_logp", ".5f"),
     ])
     title = (f"GRPO loss (dapo, {MASKED_FRACTION:.0%} masked) on {env['device']}, {settings.dtype}: median of "
-             f"{repeats} after {warmup} warm-up, {threads} torch thread(s). Ratios are fastgrpo's time over the "
+             f"{repeats} after {warmup} warm-up, {threads} torch thread(s), median of {args.rounds} interleaved "
+             f"round(s). Ratios are fastgrpo's time over the "
              f"peer's (< 1: fastgrpo faster); peak memory is above the inputs.")
     print(title)
     print(table)
@@ -511,6 +525,15 @@ def run(args: argparse.Namespace) -> list[dict]:
     plot(rows, png_path)
     print(f"wrote {json_path}, {md_path} and {png_path}")
     return rows
+
+
+def _median_round(rows: list[dict]) -> dict:
+    """One case's rows from every round -> the row of the median time (an error row if any round failed)."""
+    failed = [row for row in rows if "error" in row]
+    if failed:
+        return failed[0]
+    ordered = sorted(rows, key=lambda row: row["seconds"])
+    return {**ordered[(len(ordered) - 1) // 2], "rounds": len(rows)}
 
 
 def _measure_payload(method: str, payload: str) -> list[dict]:

@@ -355,8 +355,10 @@ def partial_checkpoint(run: Path) -> Path | None:
     return next((p for p in run.glob(".checkpoint-*.partial") if p.name != ".checkpoint-1.partial"), None)
 
 
-def test_sigkill_mid_checkpoint_then_resume_equals_an_unbroken_run(assets, tmp_path):
-    """`python -m fastgrpo train` killed while checkpoint-2 is being written (checkpoint-1 complete), then resumed."""
+@pytest.mark.parametrize("moment", ["mid_step", "mid_checkpoint"])
+def test_sigkill_then_resume_equals_an_unbroken_run(assets, tmp_path, moment):
+    """`python -m fastgrpo train` killed during step 2 (checkpoint-1 complete) or while checkpoint-2 is being
+    written, then resumed."""
     settings = dict(max_steps=2, **SMALL)
     Trainer(make_config(assets, tmp_path / "a", **settings)).train()
     make_config(assets, tmp_path / "b", **settings).save_yaml(tmp_path / "b.yaml")
@@ -364,12 +366,16 @@ def test_sigkill_mid_checkpoint_then_resume_equals_an_unbroken_run(assets, tmp_p
 
     killed = start(["--config", str(tmp_path / "b.yaml")], log)
     wait_for(lambda: (run / "checkpoint-1").is_dir(), killed, log)
-    with pytest.raises(FileExistsError, match=rf"in use by another fastgrpo run \(pid {killed.pid}\)"):
-        Trainer(make_config(assets, tmp_path / "b", resume=True, **settings))
-    partial = wait_for(lambda: partial_checkpoint(run), killed, log)  # writing one takes ~100 ms, fsyncs included
+    if moment == "mid_checkpoint":
+        with pytest.raises(FileExistsError, match=rf"in use by another fastgrpo run \(pid {killed.pid}\)"):
+            Trainer(make_config(assets, tmp_path / "b", resume=True, **settings))
+        partial = wait_for(lambda: partial_checkpoint(run), killed, log)  # writing one takes ~100 ms, fsyncs included
     killed.kill()
     assert killed.wait() == -signal.SIGKILL
-    assert partial.exists(), "the kill came after the checkpoint was complete"
+    if moment == "mid_checkpoint":
+        assert partial.exists(), "the kill came after the checkpoint was complete"
+    else:
+        assert not (run / "checkpoint-2").exists(), "the kill came after step 2 was saved"
     for complete in checkpoint.checkpoints(run):
         checkpoint.verify(complete)
 

@@ -24,7 +24,7 @@ from fastgrpo.grpo_head import row_weights
 from fastgrpo.loss_config import CLIP_LOSS_TYPES, LossConfig
 
 __all__ = ["LossConfig", "GRPOLoss", "token_logprobs", "grpo_loss", "fused_grpo_loss", "resolve_backend",
-           "logit_transform", "head_transform"]
+           "head_transform"]
 
 BACKENDS = ("auto", "torch", "fused", "triton", "reference")
 # Model-config options that transform the logits after the lm_head (softcapping, scales, multipliers).
@@ -33,15 +33,6 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", 
 # The ones the loss applies (LossConfig.logit_scale / logit_softcap): Gemma 2/3's cap, Cohere's scale (logits times
 # it) and Granite's logits_scaling (logits divided by it).
 SUPPORTED_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-
-
-def logit_transform(model_config) -> tuple[str, object] | None:
-    """(name, value) of the first LOGIT_TRANSFORMS option the model's (text) config sets, or None."""
-    config = model_config.get_text_config()
-    for name in LOGIT_TRANSFORMS:
-        if getattr(config, name, None) is not None:
-            return name, getattr(config, name)
-    return None
 
 
 def head_transform(model_config) -> dict:

@@ -2,10 +2,10 @@
 
 import argparse
 
-from fastgrpo.bench import loss, sampling, trl_step
+from fastgrpo.bench import loss, sampling, step, trl_step
 from fastgrpo.train import cli as train_cli
 
-SUITES = {"loss": loss, "sampling": sampling, "trl": trl_step}
+SUITES = {"loss": loss, "sampling": sampling, "trl": trl_step, "step": step}
 DEFAULT_SUITE = "loss"
 
 

@@ -347,6 +347,139 @@ def test_lora_model_samples_with_its_adapters():
     assert plain != outputs
 
 
+def test_seeded_sampling_does_not_depend_on_the_schedule(model):
+    """Each token's random number is a function of (seed, completion, column): preemptions, smaller batches and
+    chunked prefill change when a sequence decodes, not what it samples."""
+    prompts = prompts_for(4)
+    params = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=12, seed=5, **NO_STOP)
+    want = Engine(model, block_size=4).generate(prompts, n=3, params=params)
+    for config in (dict(num_blocks=22, max_num_batched_tokens=7), dict(max_num_seqs=3, max_num_batched_tokens=5)):
+        engine = Engine(model, block_size=4, **config)
+        got = engine.generate(prompts, n=3, params=params)
+        assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in want], config
+        for g, w in zip(got, want, strict=True):
+            for c, d in zip(g, w, strict=True):
+                assert_close("logprobs", torch.tensor(c.logprobs), torch.tensor(d.logprobs), atol=1e-5)
+        assert engine.stats.leaked_blocks == 0
+    assert engine.stats.num_preemptions == 0
+    preempting = Engine(model, block_size=4, num_blocks=22, max_num_batched_tokens=7)
+    preempting.generate(prompts, n=3, params=params)
+    assert preempting.stats.num_preemptions > 0
+    # The first prompt's completions are the same when it is sampled alone.
+    alone = Engine(model, block_size=4).generate(prompts[:1], n=3, params=params)
+    assert [c.token_ids for c in alone[0]] == [c.token_ids for c in want[0]]
+
+
+def test_sampler_draws_from_the_processed_distribution():
+    """Counter-based uniforms through the inverse CDF: frequencies over many (completion, column) keys match the
+    probabilities (chi-square), tokens outside top-k are never drawn, and the uniforms are uniform."""
+    from fastgrpo.sampling.sampler import sample, uniforms
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    draws, params = 40000, SamplingParams(temperature=0.9, top_k=5)
+    u = uniforms(11, torch.arange(draws // 8)[:, None], torch.arange(8)).reshape(-1)  # 5000 streams x 8 columns
+    tokens, logprobs = sample(logits.expand(draws, -1), params, u)
+    probs = processed_logits(logits, params).softmax(-1)[0].double()
+    counts = torch.bincount(tokens, minlength=6).double()
+    assert counts[5] == 0, "drew a token outside the top-k"
+    expected = probs[:5] * draws
+    chi2 = ((counts[:5] - expected) ** 2 / expected).sum().item()
+    assert chi2 < 20.5, (counts, expected)  # 4 degrees of freedom: p = 4e-4
+    assert_close("logprobs", logprobs, probs.log().float()[tokens], atol=1e-6)
+    bins = torch.histc(uniforms(3, torch.arange(1000)[:, None], torch.arange(100)).float(), bins=10, min=0, max=1)
+    assert ((bins - 1e4) ** 2 / 1e4).sum() < 27.9  # 9 degrees of freedom: p = 1e-3
+    zero = torch.zeros(4, dtype=torch.long)
+    assert not torch.equal(uniforms(3, torch.arange(4), zero), uniforms(4, torch.arange(4), zero))
+
+
+def test_decode_batch_joins_leaves_and_crosses_pages():
+    """The persistent rows: inputs computed on the device, pages added in bulk at a page boundary, rows leaving
+    from the middle filled by the last ones, sequences getting their counters back when they leave."""
+    from fastgrpo.sampling.batch import DecodeBatch
+    from fastgrpo.sampling.sequence import Sequence
+
+    batch = DecodeBatch(capacity=4, max_pages=3, block_size=4, device=torch.device("cpu"))
+    seqs = [Sequence([7] * 3, 3, seq_id=i, block_table=[10 + i], num_cached=3, num_generated=1) for i in range(3)]
+    seqs[2].num_cached, seqs[2].block_table = 4, [20, 21]  # one token further: its next token opens page 21
+    batch.join(seqs, torch.tensor([5, 6, 8]))
+    assert batch.page_needs().tolist() == []
+    inputs = batch.inputs()
+    assert inputs["input_ids"].tolist() == [5, 6, 8] and inputs["positions"].tolist() == [3, 3, 4]
+    assert inputs["slots"].tolist() == [10 * 4 + 3, 11 * 4 + 3, 21 * 4 + 0]
+    assert inputs["context_lens"].tolist() == [4, 4, 5]
+    batch.advance(torch.tensor([1, 2, 3]))
+    needs = batch.page_needs()
+    assert needs.tolist() == [0, 1]  # positions 4: a new page each
+    batch.add_pages(needs, [30, 31])
+    assert seqs[0].block_table == [10, 30] and batch.block_tables[:3, :2].tolist() == [[10, 30], [11, 31], [20, 21]]
+    assert batch.inputs()["slots"].tolist() == [30 * 4, 31 * 4, 21 * 4 + 1]
+    batch.remove([0])
+    assert batch.seqs == [seqs[2], seqs[1]] and [s.row for s in seqs] == [None, 1, 0]
+    assert (seqs[0].num_cached, seqs[0].num_generated) == (4, 2)
+    assert batch.inputs()["input_ids"].tolist() == [3, 2] and batch.block_tables[0, :2].tolist() == [20, 21]
+    batch.remove([0, 1])
+    assert len(batch) == 0 and batch.max_context() == 0
+
+
+def test_stop_string_spanning_tokens():
+    """A stop string made of two words stops at the token that completes it, and only candidate tokens (whose
+    text holds the string's last character) are checked on the host."""
+    from fastgrpo.sampling.engine import stop_string_candidates
+
+    model, tokenizer = tiny("qwen2"), word_tokenizer(NUM_WORDS)
+    prompts = prompts_for(4)
+    free = Engine(model).generate(prompts, n=1, params=SamplingParams(temperature=0, max_new_tokens=16, **NO_STOP))
+    tokens = free[3][0].token_ids
+    stop = tokenizer.decode(tokens[4:6])  # "wA wB": spans two tokens
+    outputs = Engine(model, tokenizer=tokenizer, block_size=4).generate(
+        prompts, n=2, params=SamplingParams(temperature=0, max_new_tokens=16, stop=[stop], **NO_STOP))
+    for full, completions in zip(free, outputs, strict=True):
+        ids = full[0].token_ids
+        cut = next((j + 1 for j in range(len(ids)) if stop in tokenizer.decode(ids[: j + 1])), len(ids))
+        assert all(c.token_ids == ids[:cut] for c in completions)
+    assert len(outputs[3][0].token_ids) <= 6 and outputs[3][0].finish_reason == "stop"
+    candidates = stop_string_candidates(tokenizer, (stop,), NUM_WORDS + 3)
+    words = tokenizer.convert_ids_to_tokens(list(range(NUM_WORDS + 3)))
+    assert candidates.tolist() == [stop[-1] in word for word in words]
+    assert stop_string_candidates(tokenizer, ("w1 ",), 200).all()  # ends in a space: every token, past the vocab too
+
+
+def test_host_work_per_decode_step_does_not_grow_with_the_batch():
+    """Python function calls per decode step (no joins, leaves or page crossings) are the same at 8 and at 128
+    sequences: the decode rows are handled by tensor ops, not per sequence."""
+    import sys
+
+    from fastgrpo.sampling.scheduler import Scheduler
+
+    def calls_per_step(num_prompts):
+        model = tiny("qwen2")
+        prompts = [[5 + i, 6, 7, 8] for i in range(num_prompts)]
+        engine = Engine(model, block_size=64, max_num_seqs=256)
+        counts, calls = [], [0]
+        schedule = Scheduler.schedule
+
+        def counting_schedule(self):
+            counts.append(calls[0])
+            return schedule(self)
+
+        def profile(frame, event, arg):
+            if event == "call":
+                calls[0] += 1
+
+        Scheduler.schedule = counting_schedule
+        sys.setprofile(profile)
+        try:
+            engine.generate(prompts, n=8, params=SamplingParams(max_new_tokens=10, seed=0, **NO_STOP))
+        finally:
+            sys.setprofile(None)
+            Scheduler.schedule = schedule
+        steps = [b - a for a, b in zip(counts, counts[1:], strict=False)]
+        return steps[2:-1]  # decode steps after the first fork, before the last (where all rows finish)
+
+    small, large = calls_per_step(1), calls_per_step(16)
+    assert small == large and len(set(small)) == 1, (small, large)
+
+
 def test_processed_logits_keep_the_top_k_and_the_top_p_mass():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
     kept = lambda **kw: torch.isfinite(processed_logits(logits, SamplingParams(**kw))).sum().item()

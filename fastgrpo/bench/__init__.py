@@ -25,6 +25,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SHAPES = {  # Qwen2 model shapes (random weights) of the sampling and TRL-step suites
     "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2),
+    # a model whose forward costs almost nothing: what is left of a decode step is the sampler's own overhead
+    "negligible": dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1),
     "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e6),
 }  # fmt: skip

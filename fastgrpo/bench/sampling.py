@@ -5,12 +5,22 @@ temperature 1 with no stop token, so every method generates exactly P x G x max_
 in its own process (clean peak memory), after an untimed warm-up call of the same method (kernel compilation).
 tokens/s counts generated tokens over the wall time of the one timed call.
 
+Per step: the call's wall time over its forwards (fastgrpo: prefill and decode steps; HF generate: one forward per
+new token), and on a CPU the part of it inside the model's forward (its `forward` timed) and the rest, outside:
+the sampler's own work (scheduling, batch building, sampling, finish checks, and the call's set-up and output,
+spread over its steps). fastgrpo decodes all P x G sequences at once (max_num_seqs = P x G).
+
+`--overhead` isolates that rest: a model whose forward costs almost nothing (1 layer, hidden 16, vocab 64), 16-token
+prompts, G = 8, 64 new tokens, at P = 8, 64 and 256 (64, 512 and 2048 sequences), fastgrpo vs HF generate.
+
     fastgrpo bench sampling                       # CPU: tiny model; GPU: Qwen2.5-1.5B shape, 64 x 8, 256 + 512
+    fastgrpo bench sampling --overhead            # CPU: ms per decode step outside the forward, 64 to 2048 sequences
     python -m fastgrpo bench sampling --prompts 16 --max-new-tokens 128
 """
 
 import argparse
 import json
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -54,7 +64,8 @@ def _caller(method: str, model, workload: Workload):
 
     prompts, group, new = workload.prompt_ids(model.config.vocab_size), workload.group_size, workload.max_new_tokens
     if method == "fastgrpo":
-        engine = Engine(model)
+        num_seqs = len(prompts) * group
+        engine = Engine(model, max_num_seqs=num_seqs, max_num_batched_tokens=max(4096, num_seqs))
         params = SamplingParams(temperature=1.0, max_new_tokens=new, stop_token_ids=(), seed=0)
         return (lambda: engine.generate(prompts, n=group, params=params),
                 lambda out: sum(len(c.token_ids) for completions in out for c in completions))
@@ -73,20 +84,49 @@ def _caller(method: str, model, workload: Workload):
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
+class ForwardTimer:
+    """Counts the model's forwards and, on a CPU (where a forward is synchronous), the seconds spent in them."""
+
+    def __init__(self, model, device: torch.device):
+        self.calls, self.seconds, self.timed = 0, 0.0, device.type == "cpu"
+        forward = model.forward
+
+        def timed_forward(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.calls += 1
+                self.seconds += time.perf_counter() - start
+
+        model.forward = timed_forward
+
+    def reset(self) -> None:
+        self.calls, self.seconds = 0, 0.0
+
+
 def measure(method: str, workload: Workload) -> dict:
     """Run in this process: warm up on a small call, then time one call of the workload."""
     device = torch.device(workload.device)
     model = build_model(workload)
+    forwards = ForwardTimer(model, device)
     small = Workload(**{**asdict(workload), "prompts": 1, "group_size": 2, "max_new_tokens": 8})
     warm, _ = _caller(method, model, small)
     warm()
     call, count = _caller(method, model, workload)
+    forwards.reset()
     seconds, peak_bytes, out = harness.time_call(lambda _: call(), device, repeats=1, warmup=0)
     tokens = count(out)
     expected = workload.prompts * workload.group_size * workload.max_new_tokens
     assert tokens == expected, f"{method} generated {tokens} tokens, expected {expected}"
-    return {"method": method, **asdict(workload), "generated_tokens": tokens, "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "peak_memory_bytes": peak_bytes}
+    row = {"method": method, **asdict(workload), "sequences": workload.prompts * workload.group_size,
+           "generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+           "peak_memory_bytes": peak_bytes, "steps": forwards.calls, "ms_per_step": seconds / forwards.calls * 1e3}
+    if forwards.timed:
+        row["forward_ms_per_step"] = forwards.seconds / forwards.calls * 1e3
+        row["outside_ms_per_step"] = row["ms_per_step"] - row["forward_ms_per_step"]
+        row["outside_share"] = row["outside_ms_per_step"] / row["ms_per_step"]
+    return row
 
 
 def run_isolated(method: str, workload: Workload) -> dict:
@@ -94,7 +134,9 @@ def run_isolated(method: str, workload: Workload) -> dict:
     return row if error is None else {"method": method, **asdict(workload), "error": error}
 
 
-def default_workload(device: str, quick: bool) -> dict:
+def default_workload(device: str, quick: bool, overhead: bool = False) -> dict:
+    if overhead:
+        return dict(shape="negligible", prompts=[8, 64, 256], group_size=8, prompt_len=16, max_new_tokens=64)
     if quick:
         return dict(shape="tiny", prompts=2, group_size=4, prompt_len=16, max_new_tokens=16)
     if device == "cuda":
@@ -107,46 +149,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     parser.add_argument("--dtype", choices=tuple(harness.DTYPES), help="default: bf16 on cuda, fp32 on cpu")
     parser.add_argument("--shape", choices=tuple(harness.SHAPES), help="model shape (random weights)")
-    parser.add_argument("--prompts", type=int, help="number of prompts P")
+    parser.add_argument("--overhead", action="store_true",
+                        help="the sampler's own cost per step: negligible model, P = 8, 64, 256, G = 8, 64 new tokens")
+    parser.add_argument("--prompts", type=int, nargs="+", help="number(s) of prompts P (one run per number)")
     parser.add_argument("--group-size", type=int, help="completions per prompt G")
     parser.add_argument("--prompt-len", type=int, help="tokens per prompt")
     parser.add_argument("--max-new-tokens", type=int, help="tokens per completion (no stop token)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS,
+                        help=f"default: {' '.join(METHODS)} (--overhead: fastgrpo hf_generate)")
     parser.add_argument("--out-dir", default="benchmarks/results", help="where the .json and .md results go")
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     device = harness.start_run(args)
-    defaults = default_workload(device, args.quick)
+    defaults = default_workload(device, args.quick, args.overhead)
     chosen = dict(shape=args.shape, prompts=args.prompts, group_size=args.group_size, prompt_len=args.prompt_len,
                   max_new_tokens=args.max_new_tokens)
     for name in ("prompts", "group_size", "prompt_len", "max_new_tokens"):
-        if chosen[name] is not None and chosen[name] < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {chosen[name]}")
-    workload = Workload(device=device, dtype=args.dtype or ("bf16" if device == "cuda" else "fp32"),
-                        **{k: v if v is not None else defaults[k] for k, v in chosen.items()})
-    rows = [run_isolated(method, workload) for method in args.methods]
-    baseline = next((r for r in rows if r["method"] == "hf_generate" and "error" not in r), None)
-    for row in rows:
-        if "error" not in row and baseline:
-            row["speedup_vs_hf_generate"] = row["tokens_per_s"] / baseline["tokens_per_s"]
-            row["memory_vs_hf_generate"] = row["peak_memory_bytes"] / max(baseline["peak_memory_bytes"], 1)
-        row["peak_memory_mib"] = row.get("peak_memory_bytes", 0) / 2**20 if "error" not in row else None
+        values = chosen[name] if isinstance(chosen[name], list) else [chosen[name]]
+        for value in values:
+            if value is not None and value < 1:
+                raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    settings = {k: v if v is not None else defaults[k] for k, v in chosen.items()}
+    prompt_counts = settings.pop("prompts")
+    methods = args.methods or (["fastgrpo", "hf_generate"] if args.overhead else list(METHODS))
+    rows = []
+    for prompts in prompt_counts if isinstance(prompt_counts, list) else [prompt_counts]:
+        workload = Workload(device=device, dtype=args.dtype or ("bf16" if device == "cuda" else "fp32"),
+                            prompts=prompts, **settings)
+        runs = [run_isolated(method, workload) for method in methods]
+        baseline = next((r for r in runs if r["method"] == "hf_generate" and "error" not in r), None)
+        for row in runs:
+            if "error" not in row and baseline:
+                row["speedup_vs_hf_generate"] = row["tokens_per_s"] / baseline["tokens_per_s"]
+                row["memory_vs_hf_generate"] = row["peak_memory_bytes"] / max(baseline["peak_memory_bytes"], 1)
+            row["peak_memory_mib"] = row.get("peak_memory_bytes", 0) / 2**20 if "error" not in row else None
+        rows += runs
     env = harness.environment(torch.device(device))
     for row in rows:
         row.update(env)
-    table = harness.markdown_table(rows, [("method", "method", ""), ("tokens/s", "tokens_per_s", ".1f"),
-                                  ("seconds", "seconds", ".2f"), ("peak MiB", "peak_memory_mib", ".1f"),
+    table = harness.markdown_table(rows, [("method", "method", ""), ("P x G", "sequences", "d"),
+                                  ("tokens/s", "tokens_per_s", ".1f"), ("seconds", "seconds", ".2f"),
+                                  ("steps", "steps", "d"), ("ms / step", "ms_per_step", ".2f"),
+                                  ("forward ms / step", "forward_ms_per_step", ".2f"),
+                                  ("outside ms / step", "outside_ms_per_step", ".2f"),
+                                  ("outside share", "outside_share", ".0%"), ("peak MiB", "peak_memory_mib", ".1f"),
                                   ("x HF generate", "speedup_vs_hf_generate", ".2f"),
                                   ("memory / HF generate", "memory_vs_hf_generate", ".2f")])
-    title = (f"{workload.shape} ({workload.dtype}) on {env['device']}: {workload.prompts} prompts x G="
-             f"{workload.group_size}, prompt {workload.prompt_len}, {workload.max_new_tokens} new tokens each")
+    first = rows[0]
+    title = (f"{first['shape']} ({first['dtype']}) on {env['device']}: P prompts x G={first['group_size']}, prompt "
+             f"{first['prompt_len']}, {first['max_new_tokens']} new tokens each, {torch.get_num_threads()} torch "
+             "thread(s)")
     print(title)
     print(table)
     for row in rows:
         if "error" in row:
             print(f"{row['method']} failed: {row['error']}")
-    json_path, md_path = harness.write_results(args.out_dir, "sampling", env, rows, f"{title}\n\n{table}")
+    suite = "sampling-overhead" if args.overhead else "sampling"
+    json_path, md_path = harness.write_results(args.out_dir, suite, env, rows, f"{title}\n\n{table}")
     print(f"wrote {json_path} and {md_path}")
     harness.exit_if_all_failed(rows, json_path)
     return rows

@@ -42,7 +42,7 @@ class Workload:
     threads: int  # torch intra-op threads (CPU)
 
 
-def _tokenizer(vocab_size: int):
+def word_tokenizer(vocab_size: int):
     """Offline word-level tokenizer covering the model's vocab: <pad> 0, <eos> 1, <unk> 2, then w3 .. w{V-1}."""
     import tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -77,7 +77,7 @@ def build_trainer(method: str, workload: Workload, output_dir: str):
     trainer_cls = FastGRPOTrainer if method == "fastgrpo" else GRPOTrainer
     return trainer_cls(model=model, reward_funcs=lambda completions, **kwargs: [0.0] * len(completions), args=args,
                        train_dataset=datasets.Dataset.from_dict({"prompt": ["w3"] * B}),
-                       processing_class=_tokenizer(config.vocab_size))
+                       processing_class=word_tokenizer(config.vocab_size))
 
 
 def make_inputs(workload: Workload, vocab_size: int) -> dict:

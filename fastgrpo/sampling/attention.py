@@ -30,7 +30,8 @@ class PagedBatch:
     block_tables: torch.Tensor  # [S, max_blocks] int32
     context_lens: torch.Tensor  # [S] int32: cached tokens per sequence, this step's included
     query_starts: torch.Tensor  # [S + 1] int32: where each sequence's new tokens start in the packed batch
-    context_starts: torch.Tensor  # [S + 1] int32: cumulative context_lens (flash-attn's cu_seqlens_k)
+    context_starts: torch.Tensor | None  # [S + 1] int32: cumulative context_lens (flash-attn's cu_seqlens_k);
+    # None in a decode-only step (one new token per sequence), where no kernel reads it
     max_query_len: int
     max_context_len: int
     backend: str
@@ -54,25 +55,49 @@ def build_paged_batch(
     context_lens: list[int],  # [S]: cached tokens per sequence, this step's included
     backend: str,
     group: int,  # query heads per KV head
+    rows: dict[str, torch.Tensor] | None = None,
+    rows_max_context: int = 0,
 ) -> PagedBatch:
-    """The batch of one eager forward, from host lists; tiles planned here when the backend is triton."""
+    """The batch of one eager forward: first the decode rows (`rows`: device tensors of one new token per sequence,
+    from DecodeBatch.inputs, whose longest context is `rows_max_context`), then the host lists' sequences; tiles
+    planned here when the backend is triton. Only the host lists cost host work per sequence."""
+    device = kv_cache.device
+    num_rows = 0 if rows is None else rows["slots"].numel()
 
     def tensor(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(kv_cache.device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    def joined(name, values, dtype):
+        host = tensor(values, dtype) if values or rows is None else None
+        return rows[name] if host is None else host if rows is None else torch.cat([rows[name], host])
+
+    width = rows["block_tables"].shape[1] if rows is not None else None
+    if rows is not None and block_tables and len(block_tables[0]) != width:
+        raise ValueError(f"host block tables are {len(block_tables[0])} pages wide, the decode rows' {width}")
+    tables = joined("block_tables", block_tables, torch.int32)
+    context = joined("context_lens", context_lens, torch.int32)
+    row_starts = torch.arange(num_rows + 1, dtype=torch.int32, device=device)
+    query_starts, context_starts = row_starts, None  # decode rows only: no kernel reads cumulative contexts
+    if query_lens or rows is None:
+        query_starts = torch.cat([row_starts, tensor(list(accumulate(query_lens)), torch.int32) + num_rows])
+        context_starts = torch.cat([context.new_zeros(1), context.cumsum(0, dtype=torch.int32)])
 
     tiles, tile_seqs, tile_starts = None, None, None
-    if backend == "triton":
-        tiles, seqs, starts = triton_tiles(query_lens, group, kv_cache.dtype)
-        tile_seqs, tile_starts = tensor(seqs, torch.int32), tensor(starts, torch.int32)
+    if backend == "triton":  # a decode row is one tile: (its row, token 0)
+        tiles, seqs, starts = triton_tiles(query_lens or [1], group, kv_cache.dtype)
+        if not query_lens:
+            seqs, starts = [], []
+        tile_seqs = torch.cat([row_starts[:num_rows], tensor(seqs, torch.int32) + num_rows])
+        tile_starts = torch.cat([torch.zeros_like(row_starts[:num_rows]), tensor(starts, torch.int32)])
     return PagedBatch(
         kv_cache=kv_cache,
-        slot_mapping=tensor(slots, torch.long),
-        block_tables=tensor(block_tables, torch.int32),
-        context_lens=tensor(context_lens, torch.int32),
-        query_starts=tensor([0, *accumulate(query_lens)], torch.int32),
-        context_starts=tensor([0, *accumulate(context_lens)], torch.int32),
-        max_query_len=max(query_lens),
-        max_context_len=max(context_lens),
+        slot_mapping=joined("slots", slots, torch.long),
+        block_tables=tables,
+        context_lens=context,
+        query_starts=query_starts,
+        context_starts=context_starts,
+        max_query_len=max(query_lens, default=1),
+        max_context_len=max(rows_max_context, max(context_lens, default=0)),
         backend=backend,
         tile_seqs=tile_seqs,
         tile_starts=tile_starts,
@@ -101,19 +126,30 @@ def reference_paged_attention(
     context_lens: torch.Tensor,  # [S]
     query_starts: torch.Tensor,  # [S + 1]
     scale: float,
+    max_query_len: int | None = None,  # the longest query_lens / context_lens, when the caller knows them
+    max_context_len: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Gather each sequence's pages into a padded batch and run one masked SDPA call (the CPU path)."""
+    """Gather each sequence's pages (whole pages: one copy of block_size x Hkv x D per page) into a padded batch
+    and run one masked SDPA call (the CPU path). A decode batch (one new token per sequence) needs no causal mask
+    and no query gather: its mask is the context length alone."""
     block_size = k_cache.shape[1]
     context_lens = context_lens.long()
+    num_seqs = block_tables.shape[0]
+    max_context = int(context_lens.max()) if max_context_len is None else max_context_len
+    num_pages = -(-max_context // block_size)
+    tables = block_tables[:, :num_pages]
+    keys = k_cache[tables].flatten(1, 2)  # [S, C, Hkv, D], C = num_pages * block_size
+    values = v_cache[tables].flatten(1, 2)
+    pos = torch.arange(num_pages * block_size, device=query.device)  # [C]
+    if query.shape[0] == num_seqs and (max_query_len == 1 or max_query_len is None and bool(
+            (query_starts[1:] - query_starts[:-1] == 1).all())):
+        visible = pos < context_lens[:, None]  # [S, C]
+        out = F.scaled_dot_product_attention(query[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=visible[:, None, None], scale=scale, enable_gqa=True)
+        return out[:, :, 0]  # [S, Hq, D]
+
     query_lens = (query_starts[1:] - query_starts[:-1]).long()  # [S]
-    max_context, max_query = int(context_lens.max()), int(query_lens.max())
-
-    pos = torch.arange(max_context, device=query.device)  # [C]
-    page = (pos // block_size).clamp(max=block_tables.shape[1] - 1)
-    slots = block_tables.long()[:, page] * block_size + pos % block_size  # [S, C]
-    keys = k_cache.flatten(0, 1)[slots]  # [S, C, Hkv, D]
-    values = v_cache.flatten(0, 1)[slots]
-
+    max_query = int(query_lens.max()) if max_query_len is None else max_query_len
     rows = torch.arange(max_query, device=query.device)  # [Q]
     row_valid = rows < query_lens[:, None]  # [S, Q]
     token = (query_starts[:-1, None].long() + rows).clamp(max=query.shape[0] - 1)
@@ -134,7 +170,8 @@ def reference_paged_attention(
 
 def _torch_backend(query, k_cache, v_cache, batch: PagedBatch, scale: float) -> torch.Tensor:
     return reference_paged_attention(
-        query, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_starts, scale
+        query, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_starts, scale,
+        batch.max_query_len, batch.max_context_len,
     )
 
 

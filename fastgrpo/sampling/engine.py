@@ -18,6 +18,7 @@ import torch
 
 from fastgrpo.models import find_hf_model, stop_token_ids
 from fastgrpo.sampling.attention import ATTENTION_NAME, build_paged_batch, paged_batch, triton_tiles
+from fastgrpo.sampling.batch import DecodeBatch, Outputs
 from fastgrpo.sampling.block_pool import BlockPool, blocks_for
 from fastgrpo.sampling.cuda_graphs import DecodeGraphs
 from fastgrpo.sampling.params import EngineConfig, SamplingParams, check_int
@@ -63,20 +64,21 @@ class GenerateStats:
 
 @dataclass(frozen=True, slots=True)
 class HostBatch:
-    """One step's packed inputs as host lists: the T new tokens of S scheduled sequences."""
+    """A step's host work as host lists: the new tokens of the sequences that are not decode rows."""
 
     input_ids: list[int]  # [T]
     positions: list[int]  # [T]
     slots: list[int]  # [T]: cache slot (block * block_size + offset) of each new token
     query_lens: list[int]  # [S]: new tokens per sequence
     context_lens: list[int]  # [S]: cached tokens per sequence, this step's included
-    block_tables: list[list[int]]  # [S, max_blocks], padded with page 0
+    block_tables: list[list[int]]  # [S, width], padded with page 0
     last_tokens: list[int]  # [rows that sample]: packed index of each sampling sequence's last new token
+    sample_counts: list[int]  # [rows that sample]: tokens each samples (n for a first fork)
 
 
-def host_batch(step: Step, block_size: int) -> HostBatch:
-    """Pack each scheduled sequence's new tokens (its next `chunk` positions) one after another."""
-    input_ids, positions, slots, last_tokens, num_tokens = [], [], [], [], 0
+def host_batch(step: Step, block_size: int, width: int) -> HostBatch:
+    """Pack each host sequence's new tokens (its next `chunk` positions) one after another."""
+    input_ids, positions, slots, last_tokens, counts, num_tokens = [], [], [], [], [], 0
     for seq, chunk, samples in zip(step.seqs, step.chunks, step.num_samples, strict=True):
         start, end = seq.num_cached, seq.num_cached + chunk
         input_ids += seq.token_ids[start:end]
@@ -85,10 +87,10 @@ def host_batch(step: Step, block_size: int) -> HostBatch:
         num_tokens += chunk
         if samples:
             last_tokens.append(num_tokens - 1)
+            counts.append(samples)
     context_lens = [seq.num_cached + chunk for seq, chunk in zip(step.seqs, step.chunks, strict=True)]
-    width = max(len(seq.block_table) for seq in step.seqs)
     tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in step.seqs]
-    return HostBatch(input_ids, positions, slots, list(step.chunks), context_lens, tables, last_tokens)
+    return HostBatch(input_ids, positions, slots, list(step.chunks), context_lens, tables, last_tokens, counts)
 
 
 def _available_memory(device: torch.device) -> int:
@@ -132,6 +134,7 @@ class Engine:
         self.dtype = self.hf_model.get_input_embeddings().weight.dtype
         self.backend = self._resolve_backend()
         self.stats = GenerateStats()
+        self._stop_candidates: dict[tuple, torch.Tensor] = {}  # (tokenizer, stop strings) -> [V] bool
 
     def _resolve_backend(self) -> str:
         choice, cuda = self.config.attention, self.device.type == "cuda"
@@ -154,16 +157,19 @@ class Engine:
         params = SamplingParams() if params is None else params
         self._check_inputs(prompt_token_ids, n, params)
         start = time.perf_counter()
-        groups = [Group(prompt=Sequence(list(prompt), len(prompt)), n=n) for prompt in prompt_token_ids]
+        groups = [Group(prompt=Sequence(list(prompt), len(prompt)), n=n, index=i)
+                  for i, prompt in enumerate(prompt_token_ids)]  # fmt: skip
         num_blocks = self._num_blocks(prompt_token_ids, n, params)
         pool = BlockPool(num_blocks, self.config.block_size)
-        scheduler = Scheduler(
-            groups, pool, self.config.max_num_seqs, self.config.max_num_batched_tokens, self._finish_rule(params)
-        )
-        self.stats = GenerateStats(num_blocks=num_blocks)
-        generator = torch.Generator(self.device)
-        generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(2**62, ()).item()))
         max_blocks_per_seq = blocks_for(max(map(len, prompt_token_ids)) + params.max_new_tokens, pool.block_size)
+        max_rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        batch = DecodeBatch(max(max_rows, n), max_blocks_per_seq, pool.block_size, self.device)
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
+        outputs = Outputs(len(groups) * n, params.max_new_tokens, self.device, None if params.greedy else seed)
+        scheduler = Scheduler(groups, pool, batch, outputs, self.config.max_num_seqs,
+                              self.config.max_num_batched_tokens)  # fmt: skip
+        finish = self._finish_check(params, outputs)
+        self.stats = GenerateStats(num_blocks=num_blocks)
         with self._sampling_mode():
             # One page past the pool: scratch for the padding rows of CUDA graphs.
             kv_cache = torch.zeros(
@@ -173,24 +179,26 @@ class Engine:
             graphs = self._decode_graphs(kv_cache, max_blocks_per_seq)
             while not scheduler.done:
                 step = scheduler.schedule()
-                assert step.seqs, "scheduler made no progress"
+                assert step.num_rows or step.seqs, "scheduler made no progress"
                 for src, dst in scheduler.take_copies():
                     kv_cache[:, :, dst] = kv_cache[:, :, src]
-                tokens, logprobs = self._run(step, kv_cache, params, generator, graphs)
-                scheduler.update(step, tokens, logprobs)
+                targets = scheduler.sample_targets(step)
+                u = None if outputs.uniforms is None else outputs.uniforms[targets]
+                tokens, logprobs = self._run(step, batch, kv_cache, params, u, graphs)
+                scheduler.update(step, tokens, logprobs, targets, finish)
                 self.stats.num_steps += 1
-                self.stats.num_forward_tokens += sum(step.chunks)
+                self.stats.num_forward_tokens += step.num_tokens
             del kv_cache, graphs
         self.stats.num_preemptions = scheduler.num_preemptions
         self.stats.leaked_blocks = num_blocks - pool.num_free
         self.stats.prompt_tokens_computed = tuple(group.prompt_tokens_computed for group in groups)
+        seqs = [seq for group in groups for seq in group.children]
+        ids, lengths = [seq.seq_id for seq in seqs], [seq.num_generated for seq in seqs]
+        completions = iter(Completion(tokens, logprobs, seq.finish_reason) for seq, tokens, logprobs in zip(
+            seqs, outputs.token_lists(ids, lengths), outputs.logprob_lists(ids, lengths), strict=True))
         self.stats.seconds = time.perf_counter() - start
-        outputs = [
-            [Completion(seq.completion_ids, seq.logprobs, seq.finish_reason) for seq in group.children]
-            for group in groups
-        ]
-        self.stats.num_generated_tokens = sum(len(c.token_ids) for group in outputs for c in group)
-        return outputs
+        self.stats.num_generated_tokens = sum(lengths)
+        return [[next(completions) for _ in range(n)] for _ in groups]
 
     def _check_inputs(self, prompt_token_ids, n, params) -> None:
         if not isinstance(params, SamplingParams):
@@ -233,23 +241,15 @@ class Engine:
             )
         return num_blocks
 
-    def _finish_rule(self, params: SamplingParams):
-        stop_ids = frozenset(stop_token_ids(self.hf_model) if params.stop_token_ids is None else params.stop_token_ids)
-        # A stop string ending at the newest token lies within its last len(s) tokens (each decodes to >= 1 char).
-        window = max(map(len, params.stop), default=0) + 1
-
-        def finish_reason(seq: Sequence) -> str | None:
-            if seq.token_ids[-1] in stop_ids:
-                return "stop"
-            if params.stop:
-                tail = self.tokenizer.decode(seq.token_ids[max(seq.prompt_len, len(seq.token_ids) - window) :])
-                if any(s in tail for s in params.stop):
-                    return "stop"
-            if len(seq.token_ids) - seq.prompt_len >= params.max_new_tokens:
-                return "length"
-            return None
-
-        return finish_reason
+    def _finish_check(self, params: SamplingParams, outputs: Outputs) -> "FinishCheck":
+        stop_ids = set(stop_token_ids(self.hf_model) if params.stop_token_ids is None else params.stop_token_ids)
+        candidates = None
+        if params.stop:
+            key = (id(self.tokenizer), params.stop)
+            if key not in self._stop_candidates:
+                self._stop_candidates[key] = stop_string_candidates(self.tokenizer, params.stop, self.vocab_size)
+            candidates = self._stop_candidates[key].to(self.device)
+        return FinishCheck(params, stop_ids, outputs, self.tokenizer, candidates)
 
     @contextmanager
     def _sampling_mode(self):
@@ -277,46 +277,104 @@ class Engine:
 
     # -- one forward --
 
-    def _run(self, step: Step, kv_cache, params, generator, graphs) -> tuple[list[int], list[float]]:
-        batch = host_batch(step, self.config.block_size)
-        logits = self._graph_forward(step, batch, graphs)
+    def _run(self, step: Step, batch: DecodeBatch, kv_cache, params, u, graphs):
+        """Forward the step and sample with the rows' uniforms `u` [R] (None: greedy): (tokens [R], logprobs [R])
+        on the device, the decode rows' first."""
+        rows = batch.inputs() if step.num_rows else None
+        host = host_batch(step, self.config.block_size, batch.block_tables.shape[1]) if step.seqs else None
+        logits = None
+        if host is None and graphs is not None and not graphs.failed and step.num_rows <= self.config.max_num_seqs:
+            logits = graphs(rows["input_ids"], rows["positions"], rows["slots"], rows["block_tables"],
+                            rows["context_lens"])  # fmt: skip
         if logits is None:
-            logits = self._eager_forward(batch, kv_cache)
-        return self._sample(step, logits, params, generator)
+            logits = self._eager_forward(rows, batch.max_context(), host, kv_cache)
+        if host is not None and any(count > 1 for count in host.sample_counts):  # a first fork samples n tokens
+            counts = torch.tensor([1] * step.num_rows + host.sample_counts)
+            logits = logits[torch.repeat_interleave(torch.arange(len(counts)), counts).to(self.device)]
+        return sample(logits.float(), params, u)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _graph_forward(self, step: Step, batch: HostBatch, graphs: DecodeGraphs | None) -> torch.Tensor | None:
-        """[S, V] logits from a CUDA graph replay; None when the step cannot replay one (run it eagerly)."""
-        decode_only = max(step.chunks) == 1 and all(samples == 1 for samples in step.num_samples)
-        if graphs is None or graphs.failed or not decode_only or len(step.seqs) > self.config.max_num_seqs:
-            return None
-        return graphs(
-            self._tensor(batch.input_ids, torch.long),
-            self._tensor(batch.positions, torch.long),
-            self._tensor(batch.slots, torch.long),
-            self._tensor(batch.block_tables, torch.int32),
-            self._tensor(batch.context_lens, torch.int32),
-        )
-
-    def _eager_forward(self, batch: HostBatch, kv_cache: torch.Tensor) -> torch.Tensor:  # [rows that sample, V]
+    def _eager_forward(self, rows: dict | None, rows_max_context: int, host: HostBatch | None,
+                       kv_cache: torch.Tensor) -> torch.Tensor:  # [rows that sample, V]
         group = self.num_heads // self.num_kv_heads
-        paged = build_paged_batch(
-            kv_cache, batch.slots, batch.block_tables, batch.query_lens, batch.context_lens, self.backend, group
-        )
+        lists = (host.slots, host.block_tables, host.query_lens, host.context_lens) if host else ([], [], [], [])
+        paged = build_paged_batch(kv_cache, *lists, self.backend, group, rows=rows, rows_max_context=rows_max_context)
+        input_ids = rows["input_ids"] if rows else None
+        positions = rows["positions"] if rows else None
+        keep = 0  # decode rows only: every token samples
+        if host is not None:
+            host_ids, host_positions = self._tensor([host.input_ids, host.positions], torch.long)
+            input_ids = host_ids if rows is None else torch.cat([input_ids, host_ids])
+            positions = host_positions if rows is None else torch.cat([positions, host_positions])
+            num_rows = 0 if rows is None else rows["input_ids"].numel()
+            keep = self._tensor(host.last_tokens, torch.long) + num_rows
+            if num_rows:
+                keep = torch.cat([torch.arange(num_rows, device=self.device), keep])
         with paged_batch(paged):
             return self.model(
-                input_ids=self._tensor(batch.input_ids, torch.long)[None],
-                position_ids=self._tensor(batch.positions, torch.long)[None],
-                use_cache=False,
-                logits_to_keep=self._tensor(batch.last_tokens, torch.long),
+                input_ids=input_ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=keep
             ).logits[0]
 
-    def _sample(self, step: Step, logits: torch.Tensor, params, generator) -> tuple[list[int], list[float]]:
-        counts = [samples for samples in step.num_samples if samples]  # per row of logits
-        if not counts:
-            return [], []
-        rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).to(self.device)
-        tokens, logprobs = sample(logits.float()[rows], params, generator)
-        return tokens.tolist(), logprobs.tolist()
+
+def stop_string_candidates(tokenizer, stop: tuple[str, ...], vocab_size: int) -> torch.Tensor:
+    """[V] bool: tokens whose text could complete one of the stop strings. A stop string that was not in the text
+    before a token and is after it ends inside that token's text, so the token's text holds its last character;
+    tokens that decode to partial characters (U+FFFD), to nothing, or beyond the tokenizer are kept as candidates,
+    and a stop string ending in whitespace (which tokenizers may strip from a lone token) makes every token one."""
+    if any(s[-1].isspace() for s in stop):
+        return torch.ones(vocab_size, dtype=torch.bool)
+    ends = {s[-1] for s in stop}
+    known = min(vocab_size, len(tokenizer))
+    texts = tokenizer.batch_decode([[token] for token in range(known)])
+    flags = [not text or "\ufffd" in text or any(end in text for end in ends) for text in texts]
+    return torch.tensor(flags + [True] * (vocab_size - known), dtype=torch.bool)
+
+
+class FinishCheck:
+    """Which of a step's sampled tokens end their sequence: a stop token, the length limit or a stop string. All
+    tokens are flagged on the device, and one small read brings back only the flagged ones; stop strings are then
+    checked on the host for the flagged candidates alone (stop_string_candidates)."""
+
+    STOP, LENGTH, STRING = 1, 2, 4
+
+    def __init__(self, params: SamplingParams, stop_ids: set[int], outputs: Outputs, tokenizer, candidates):
+        device = outputs.tokens.device
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device) if stop_ids else None
+        self.max_new_tokens = params.max_new_tokens
+        self.stop = params.stop
+        self.window = max(map(len, params.stop), default=0) + 1  # a stop string spans at most len(s) tokens
+        self.outputs, self.tokenizer, self.candidates = outputs, tokenizer, candidates
+
+    def __call__(self, tokens: torch.Tensor, seq_ids: torch.Tensor, columns: torch.Tensor) -> dict[int, str]:
+        """tokens, and where each went (output row, column) [R] -> {index: "stop" or "length"} of those that end."""
+        flags = (columns >= self.max_new_tokens - 1).to(torch.uint8) * self.LENGTH
+        if self.stop_ids is not None:
+            flags += torch.isin(tokens, self.stop_ids).to(torch.uint8) * self.STOP
+        if self.candidates is not None:
+            flags += self.candidates[tokens].to(torch.uint8) * self.STRING
+        hits = flags.nonzero()[:, 0]  # the step's one host read
+        if not hits.numel():
+            return {}
+        index, kinds = hits.tolist(), flags[hits].tolist()
+        strings = [i for i, kind in zip(index, kinds, strict=True) if kind & self.STRING and not kind & self.STOP]
+        completes = self._completes_string(strings, seq_ids, columns)
+        reasons = {}
+        for i, kind in zip(index, kinds, strict=True):
+            if kind & self.STOP or i in completes:
+                reasons[i] = "stop"
+            elif kind & self.LENGTH:
+                reasons[i] = "length"
+        return reasons
+
+    def _completes_string(self, index: list[int], seq_ids: torch.Tensor, columns: torch.Tensor) -> set[int]:
+        if not index:
+            return set()
+        done = set()
+        at = torch.tensor(index, device=seq_ids.device)
+        for i, seq_id, column in zip(index, seq_ids[at].tolist(), columns[at].tolist(), strict=True):
+            tail = self.outputs.tokens[seq_id, max(0, column + 1 - self.window) : column + 1].tolist()
+            if any(s in self.tokenizer.decode(tail) for s in self.stop):
+                done.add(i)
+        return done

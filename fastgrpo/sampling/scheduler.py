@@ -1,30 +1,40 @@
 """Continuous batching over prompt groups, with chunked prefill and preemption by recompute.
 
-Each step: the running groups, oldest first, get their next tokens (one per decoding sequence; chunks for a prompt
-or a recompute), then queued groups are admitted while the token budget, `max_num_seqs` and the pool allow.
-When a running sequence needs a page and none is free, the youngest running group is preempted: its pages are
-freed and it goes back to the front of the queue, keeping the tokens it has sampled, to be recomputed later.
+Two kinds of work make a step. Decoding sequences (one new token each) are rows of the persistent decode batch
+(batch.py): all of them run every step, and the scheduler's only per-step work for them is the pages for the rows
+whose token starts a new page, found and handed out in bulk. Everything else (a prompt's chunks, a preempted
+completion's recompute) is host work, scheduled per sequence as before: the running groups', oldest first, then
+queued groups are admitted while the token budget, the row limit (`max_num_seqs`, and no more rows than
+`max_num_batched_tokens`) and the pool allow. So a step costs the host what changes, not the batch size.
+
+When the decode rows need more pages than are free, the youngest running groups are preempted: their pages are
+freed and they go back to the front of the queue, keeping the tokens they have sampled, to be recomputed later.
+Host work that finds no page preempts the youngest group with no rows this step, or waits for one to free.
 """
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
+from fastgrpo.sampling.batch import DecodeBatch, Outputs
 from fastgrpo.sampling.block_pool import BlockPool, blocks_for
 from fastgrpo.sampling.sequence import Group, Sequence
 
 
 @dataclass(slots=True)
 class Step:
-    """One forward: sequences with the number of new tokens each feeds, and how many tokens each samples."""
+    """One forward: the decode batch's first `num_rows` rows (one token each, one sample each), then host work:
+    sequences with the number of new tokens each feeds, and how many tokens each samples."""
 
+    num_rows: int = 0
     groups: list[Group] = field(default_factory=list)
     seqs: list[Sequence] = field(default_factory=list)
     chunks: list[int] = field(default_factory=list)
-    num_samples: list[int] = field(default_factory=list)  # n for a first fork, 1 for a decoding sequence, else 0
+    num_samples: list[int] = field(default_factory=list)  # n for a first fork, 1 for a caught-up recompute, else 0
 
     def add(self, group: Group, seq: Sequence, chunk: int) -> None:
-        completes = seq.num_cached + chunk == len(seq.token_ids)
+        completes = seq.num_cached + chunk == seq.num_tokens
         if not completes:
             samples = 0
         elif group.forked:
@@ -41,22 +51,32 @@ class Step:
         for name in ("groups", "seqs", "chunks", "num_samples"):
             setattr(self, name, [getattr(self, name)[i] for i in keep])
 
+    @property
+    def num_tokens(self) -> int:
+        return self.num_rows + sum(self.chunks)
+
 
 class Scheduler:
     def __init__(
         self,
         groups: list[Group],
         pool: BlockPool,
+        batch: DecodeBatch,
+        outputs: Outputs,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        finish_reason: Callable[[Sequence], str | None],
     ):
         self.pool = pool
-        self.max_num_seqs = max_num_seqs
+        self.batch = batch
+        self.outputs = outputs
+        self.max_rows = min(max_num_seqs, max_num_batched_tokens)
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.finish_reason = finish_reason
+        self.groups = groups  # in call order: group.index
+        self.n = groups[0].n  # completions per group
         self.waiting: deque[Group] = deque(groups)
-        self.running: list[Group] = []
+        self.running: list[Group] = []  # oldest first
+        self.host_groups: list[Group] = []  # the running groups with host work (group.pending), oldest first
+        self.num_seqs = 0  # sequences of the running groups still to finish
         self.copies: list[tuple[int, int]] = []  # (src, dst) pages to copy before the next forward
         self.num_preemptions = 0
 
@@ -66,29 +86,29 @@ class Scheduler:
 
     def schedule(self) -> Step:
         step = Step()
-        budget = self.max_num_batched_tokens
+        needs = self.batch.page_needs()
+        while len(needs) > self.pool.num_free:
+            self._preempt(self.running[-1], step)
+            needs = self.batch.page_needs()
+        self.batch.add_pages(needs, self.pool.allocate(len(needs)))
+        step.num_rows = len(self.batch)
+        budget = max(0, self.max_num_batched_tokens - step.num_rows)
+
         i = 0
-        while i < len(self.running) and budget:
-            group = self.running[i]
-            for seq in group.active():
+        while i < len(self.host_groups) and budget:
+            group = self.host_groups[i]
+            for seq in list(group.pending):
                 chunk = min(seq.num_uncached, budget)
-                if chunk == 0:
-                    break
-                while not self._reserve(group, seq, chunk):
-                    victim = self.running[-1]
-                    self._preempt(victim, step)
-                    if victim is group:
-                        break
-                if group not in self.running:
+                if chunk == 0 or not self._make_room(group, seq, chunk, step, i):
                     break
                 step.add(group, seq, chunk)
                 budget -= chunk
-            i += 1
+            if i < len(self.host_groups) and self.host_groups[i] is group:  # else it was preempted: next at i
+                i += 1
 
-        num_seqs = sum(group.width for group in self.running)
         while self.waiting and budget:
             group = self.waiting[0]
-            if self.running and num_seqs + group.width > self.max_num_seqs:
+            if self.running and self.num_seqs + group.width > self.max_rows:
                 break
             seq = group.prompt
             chunk = min(seq.num_uncached, budget)
@@ -96,15 +116,33 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(group)
+            self.host_groups.append(group)
+            self.num_seqs += group.width
             step.add(group, seq, chunk)
             budget -= chunk
-            num_seqs += group.width
         return step
+
+    def _make_room(self, group: Group, seq: Sequence, chunk: int, step: Step, first: int) -> bool:
+        """Pages for host work, preempting the youngest groups without rows this step (never one older than `group`,
+        at `first` in `host_groups`: a group with no host work has rows); False when `group` itself was preempted,
+        or must wait for pages."""
+        while not self._reserve(group, seq, chunk):
+            victim = next((g for g in reversed(self.host_groups[first:]) if not self._has_rows(g)), None)
+            if victim is None:
+                return False
+            self._preempt(victim, step)
+            if victim is group:
+                return False
+        return True
+
+    @staticmethod
+    def _has_rows(group: Group) -> bool:
+        return group.forked and group.width > len(group.pending)
 
     def _reserve(self, group: Group, seq: Sequence, chunk: int) -> bool:
         """Pages for `chunk` more tokens of `seq`; for the last prompt chunk, also the fork's copies."""
         end = seq.num_cached + chunk
-        forks = not group.forked and end == len(seq.token_ids) and seq.prompt_len % self.pool.block_size
+        forks = not group.forked and end == seq.num_tokens and seq.prompt_len % self.pool.block_size
         spare = group.width - 1 if forks and not group.fork_spare else 0
         missing = max(0, blocks_for(end, self.pool.block_size) - len(seq.block_table))
         if missing + spare > self.pool.num_free:
@@ -114,6 +152,11 @@ class Scheduler:
         return True
 
     def _preempt(self, group: Group, step: Step) -> None:
+        self.batch.remove([seq.row for seq in group.children if seq.row is not None])
+        recompute = [seq for seq in group.children if not seq.finished and seq.num_generated]
+        tokens = self.outputs.token_lists([seq.seq_id for seq in recompute], [seq.num_generated for seq in recompute])
+        for seq, completion in zip(recompute, tokens, strict=True):
+            seq.token_ids = group.prompt.token_ids + completion
         for seq in [group.prompt, *group.children]:
             if not seq.finished:
                 self.pool.free(seq.block_table)
@@ -122,32 +165,91 @@ class Scheduler:
         self.pool.free(group.fork_spare)
         group.fork_spare = []
         group.forked = False
+        group.pending = [group.prompt]
         step.drop(group)
         self.running.remove(group)
+        if group in self.host_groups:
+            self.host_groups.remove(group)
+        self.num_seqs -= group.width
         self.waiting.appendleft(group)
         self.num_preemptions += 1
 
-    def update(self, step: Step, tokens: list[int], logprobs: list[float]) -> None:
-        """Account the step's computed tokens and hand out the sampled ones (in `step` order)."""
-        k = 0
+    def sample_targets(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the step's sampled tokens go, in sampling order (decode rows, then host work in `step` order):
+        (output rows, columns) [R] on the device. A first fork samples column 0 of all n completions."""
+        rows = step.num_rows
+        seq_ids, columns = self.batch.seq_ids[:rows], self.batch.generated[:rows]
+        host_ids, host_columns = [], []
+        for group, seq, samples in zip(step.groups, step.seqs, step.num_samples, strict=True):
+            if samples and seq is group.prompt:
+                host_ids += range(group.index * group.n, group.index * group.n + samples)
+                host_columns += [0] * samples
+            elif samples:
+                host_ids.append(seq.seq_id)
+                host_columns.append(seq.num_generated)
+        if host_ids:
+            host = torch.tensor([host_ids, host_columns]).to(seq_ids.device, non_blocking=True)
+            seq_ids, columns = torch.cat([seq_ids, host[0]]), torch.cat([columns, host[1]])
+        return seq_ids, columns
+
+    def update(self, step: Step, tokens: torch.Tensor, logprobs: torch.Tensor, targets, finish) -> None:
+        """Account the step's computed tokens and hand out the sampled ones, which go to `targets` (from
+        sample_targets). `finish(tokens, seq_ids, columns)` says which sampled tokens end their sequence, and why."""
+        rows = step.num_rows
+        sampled: list[Sequence] = []  # host work's sampling sequences, in order
         for group, seq, chunk, samples in zip(step.groups, step.seqs, step.chunks, step.num_samples, strict=True):
             start = seq.num_cached
             group.prompt_tokens_computed += max(0, min(start + chunk, seq.prompt_len) - start)
             seq.num_cached += chunk
             if seq is group.prompt and seq.num_uncached == 0:
-                self._fork(group, tokens[k : k + samples], logprobs[k : k + samples])
+                children = self._fork(group)
+                if samples:
+                    sampled += children
             elif samples:
-                self._append(seq, tokens[k], logprobs[k])
-            k += samples
-        assert k == len(tokens), (k, len(tokens))
-        finished = [group for group in self.running if group.done]
-        for group in finished:
-            self.running.remove(group)
+                sampled.append(seq)
+        assert rows + len(sampled) == tokens.numel(), (rows, len(sampled), tokens.numel())
 
-    def _fork(self, group: Group, tokens: list[int], logprobs: list[float]) -> None:
+        device = tokens.device
+        seq_ids, columns = targets
+        self.outputs.write(seq_ids, columns, tokens, logprobs)
+        reasons = finish(tokens, seq_ids, columns)  # {index in tokens: finish reason}
+        self.batch.advance(tokens[:rows])
+        for seq in sampled:
+            seq.num_generated += 1
+
+        finished, leaving = [], []
+        for index, reason in reasons.items():
+            seq = self.batch.seqs[index] if index < rows else sampled[index - rows]
+            if index < rows:
+                leaving.append(index)
+            seq.finish_reason = reason
+            finished.append(seq)
+        self.batch.remove(leaving)
+        joining = [i for i, seq in enumerate(sampled) if not seq.finished]
+        if joining:
+            index = torch.tensor(joining).to(device, non_blocking=True) + rows
+            self.batch.join([sampled[i] for i in joining], tokens[index])
+        for group in dict.fromkeys(step.groups):
+            group.pending = [seq for seq in group.pending if seq.row is None and not seq.finished]
+            if not group.pending and group in self.host_groups:
+                self.host_groups.remove(group)
+        for seq in finished:
+            self.pool.free(seq.block_table)
+            seq.block_table = []
+            group = self.groups[seq.seq_id // self.n]
+            group.num_finished += 1
+            self.num_seqs -= 1
+            if group.done:
+                self.running.remove(group)
+
+    def _fork(self, group: Group) -> list[Sequence]:
+        """The prompt is cached: its pages pass to the children (created on the first fork); returns the children
+        that will sample now (all n on a first fork, none on a recompute fork: they recompute their tokens first)."""
         prompt = group.prompt
-        if not group.children:
-            group.children = [Sequence(list(prompt.token_ids), prompt.prompt_len) for _ in range(group.n)]
+        first = not group.children
+        if first:
+            group.children = [Sequence(prompt.token_ids, prompt.prompt_len, seq_id=group.index * group.n + j)
+                              for j in range(group.n)]  # fmt: skip
         targets = group.active_children()
         tables, copies = self.pool.fork(prompt.block_table, prompt.num_cached, group.fork_spare, len(targets))
         self.copies += copies
@@ -155,16 +257,8 @@ class Scheduler:
         for child, table in zip(targets, tables, strict=True):
             child.block_table = table
             child.num_cached = prompt.num_cached
-        for child, token, logprob in zip(targets, tokens, logprobs, strict=False):  # no tokens on a recompute fork
-            self._append(child, token, logprob)
-
-    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
-        seq.token_ids.append(token)
-        seq.logprobs.append(logprob)
-        seq.finish_reason = self.finish_reason(seq)
-        if seq.finished:
-            self.pool.free(seq.block_table)
-            seq.block_table = []
+        group.pending = [] if first else targets
+        return targets if first else []
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []

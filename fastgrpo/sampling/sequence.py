@@ -5,20 +5,30 @@ from dataclasses import dataclass, field
 
 @dataclass(eq=False, slots=True)
 class Sequence:
-    token_ids: list[int]  # prompt + completion
+    """A prompt, or one completion of it.
+
+    A completion's sampled tokens live in the engine's output buffers (row `seq_id`), not here: while it decodes,
+    its state is a row of the decode batch (`row`), and only when it leaves the batch (preempted) are its tokens
+    copied back into `token_ids` for the recompute. `num_cached` and `num_generated` are current whenever the
+    sequence is not in the decode batch (the batch keeps them while it is).
+    """
+
+    token_ids: list[int]  # the prompt, then (on the host path only) the completion so far
     prompt_len: int
+    seq_id: int = -1  # row of the output buffers; -1 for a group's prompt
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the cache
-    logprobs: list[float] = field(default_factory=list)
+    num_generated: int = 0  # completion tokens sampled so far
+    row: int | None = None  # place in the decode batch, while decoding
     finish_reason: str | None = None
 
     @property
-    def num_uncached(self) -> int:
-        return len(self.token_ids) - self.num_cached
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.num_generated
 
     @property
-    def completion_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
+    def num_uncached(self) -> int:
+        return self.num_tokens - self.num_cached
 
     @property
     def finished(self) -> bool:
@@ -27,7 +37,7 @@ class Sequence:
 
 @dataclass(eq=False, slots=True)
 class Group:
-    """One prompt and its n completions.
+    """One prompt and its n completions (output rows index * n .. index * n + n - 1).
 
     Until `forked`, only `prompt` computes; when its last prompt token is cached the group forks: `children` share
     its full pages. After a preemption the group starts over from the prompt, and the fork hands the prompt pages to
@@ -36,10 +46,17 @@ class Group:
 
     prompt: Sequence
     n: int
+    index: int = 0  # the prompt's place in the call
     children: list[Sequence] = field(default_factory=list)
     forked: bool = False
     fork_spare: list[int] = field(default_factory=list)  # pages reserved for copies of the partial prompt page
     prompt_tokens_computed: int = 0  # prompt positions that went through the model, all sequences together
+    num_finished: int = 0
+    pending: list[Sequence] = field(default_factory=list)  # sequences with host work: the prompt, recomputes
+
+    def __post_init__(self):
+        if not self.pending and not self.children:
+            self.pending = [self.prompt]
 
     def active(self) -> list[Sequence]:
         """Sequences with tokens to compute."""
@@ -51,8 +68,8 @@ class Group:
     @property
     def width(self) -> int:
         """Sequences this group decodes at once."""
-        return len(self.active_children()) if self.children else self.n
+        return self.n - self.num_finished
 
     @property
     def done(self) -> bool:
-        return bool(self.children) and all(seq.finished for seq in self.children)
+        return self.num_finished == self.n

@@ -1,0 +1,150 @@
+"""The persistent decode batch and the output buffers: what the engine keeps on the device between steps.
+
+Every sequence that feeds exactly one token a step (its last sampled one) is a row of the decode batch. A step's
+inputs for all rows are a handful of tensor ops on the device, whatever the batch size: the token each row feeds is
+the one it sampled last step (never read back to the host), its position is its context length, and its KV slot
+comes from its row of the block table. The host touches a row only when something changes: the row joins (a prompt
+forks, a recompute catches up), leaves (it finished, or its group is preempted) or crosses into a new page. Host
+mirrors (numpy) of the context lengths and page counts let the scheduler find page crossings without a device read.
+
+Sampled tokens and their logprobs go straight into per-sequence output buffers ([sequences, max_new_tokens]); the
+host reads them once, when the call ends (and for a preempted group's recompute, or a stop-string check).
+"""
+
+import numpy as np
+import torch
+
+from fastgrpo.sampling.sampler import uniforms
+from fastgrpo.sampling.sequence import Sequence
+
+
+class DecodeBatch:
+    def __init__(self, capacity: int, max_pages: int, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.seqs: list[Sequence] = []  # row -> sequence; rows [0, len(self)) are live
+        self.block_tables = torch.zeros(capacity, max_pages, dtype=torch.int32, device=device)
+        self.context = torch.zeros(capacity, dtype=torch.long, device=device)  # cached tokens before the step
+        self.last = torch.zeros(capacity, dtype=torch.long, device=device)  # the token each row feeds next
+        self.seq_ids = torch.zeros(capacity, dtype=torch.long, device=device)  # output-buffer row
+        self.generated = torch.zeros(capacity, dtype=torch.long, device=device)  # completion tokens so far
+        self._tensors = (self.block_tables, self.context, self.last, self.seq_ids, self.generated)
+        self.context_h = np.zeros(capacity, dtype=np.int64)  # host mirrors
+        self.pages_h = np.zeros(capacity, dtype=np.int64)
+        self.generated_h = np.zeros(capacity, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def join(self, seqs: list[Sequence], last_tokens: torch.Tensor) -> None:
+        """Append `seqs` (each with one uncached token, `last_tokens` [k] on the device) as rows."""
+        start, end = len(self.seqs), len(self.seqs) + len(seqs)
+        width = self.block_tables.shape[1]
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
+        device = self.context.device
+        self.block_tables[start:end] = torch.tensor(tables, dtype=torch.int32).to(device, non_blocking=True)
+        context = [seq.num_cached for seq in seqs]
+        generated = [seq.num_generated for seq in seqs]
+        rows = torch.tensor([context, [seq.seq_id for seq in seqs], generated], dtype=torch.long)
+        self.context[start:end], self.seq_ids[start:end], self.generated[start:end] = rows.to(device, non_blocking=True)
+        self.last[start:end] = last_tokens
+        self.context_h[start:end] = context
+        self.pages_h[start:end] = [len(seq.block_table) for seq in seqs]
+        self.generated_h[start:end] = generated
+        for row, seq in enumerate(seqs, start):
+            seq.row = row
+        self.seqs += seqs
+
+    def page_needs(self) -> np.ndarray:
+        """Rows whose token this step starts a page they do not have yet."""
+        size = len(self.seqs)
+        return np.flatnonzero(self.context_h[:size] >= self.pages_h[:size] * self.block_size)
+
+    def add_pages(self, rows: np.ndarray, pages: list[int]) -> None:
+        if not len(rows):
+            return
+        device = self.context.device
+        index = torch.from_numpy(rows).to(device, non_blocking=True)
+        column = torch.from_numpy(self.pages_h[rows]).to(device, non_blocking=True)
+        self.block_tables[index, column] = torch.tensor(pages, dtype=torch.int32).to(device, non_blocking=True)
+        self.pages_h[rows] += 1
+        for row, page in zip(rows.tolist(), pages, strict=True):
+            self.seqs[row].block_table.append(page)
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The rows' part of the step: input_ids, positions, slots [S] int64, context_lens [S] int32,
+        block_tables [S, max_pages] int32, all computed on the device."""
+        size = len(self.seqs)
+        positions = self.context[:size]
+        pages = self.block_tables[:size].gather(1, (positions // self.block_size)[:, None])[:, 0]
+        return dict(input_ids=self.last[:size], positions=positions,
+                    slots=pages.long() * self.block_size + positions % self.block_size,
+                    context_lens=(positions + 1).int(), block_tables=self.block_tables[:size])
+
+    def max_context(self) -> int:
+        """The longest context of this step's rows (their new token included); 0 without rows."""
+        size = len(self.seqs)
+        return int(self.context_h[:size].max()) + 1 if size else 0
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """Each row fed its token and sampled `tokens` [S], the one it feeds next."""
+        size = len(self.seqs)
+        self.last[:size] = tokens
+        self.context[:size] += 1
+        self.generated[:size] += 1
+        self.context_h[:size] += 1
+        self.generated_h[:size] += 1
+
+    def remove(self, rows: list[int]) -> None:
+        """Rows leave (their sequences get their counters back); the last rows move into the holes."""
+        if not rows:
+            return
+        size, gone = len(self.seqs), set(rows)
+        kept = size - len(gone)
+        for row in gone:
+            seq = self.seqs[row]
+            seq.num_cached, seq.num_generated = int(self.context_h[row]), int(self.generated_h[row])
+            seq.row = None
+        holes = sorted(row for row in gone if row < kept)
+        movers = [row for row in range(kept, size) if row not in gone]  # as many as the holes
+        if holes:
+            device = self.context.device
+            dst, src = (torch.tensor(rows_).to(device, non_blocking=True) for rows_ in (holes, movers))
+            for tensor in self._tensors:
+                tensor[dst] = tensor[src]
+            for mirror in (self.context_h, self.pages_h, self.generated_h):
+                mirror[holes] = mirror[movers]
+            for hole, mover in zip(holes, movers, strict=True):
+                self.seqs[hole] = self.seqs[mover]
+                self.seqs[hole].row = hole
+        del self.seqs[kept:]
+
+
+class Outputs:
+    """Sampled tokens and their logprobs per completion, [num_seqs, max_new_tokens] on the device, and the uniform
+    random number each token will be drawn with (sampler.uniforms of the seed, completion and column; None for
+    greedy decoding): 20 bytes per token the call may sample, fewer than the returned Python lists take."""
+
+    def __init__(self, num_seqs: int, max_new_tokens: int, device: torch.device, seed: int | None):
+        self.tokens = torch.zeros(num_seqs, max_new_tokens, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(num_seqs, max_new_tokens, dtype=torch.float32, device=device)
+        self.uniforms = None if seed is None else uniforms(
+            seed, torch.arange(num_seqs, device=device)[:, None], torch.arange(max_new_tokens, device=device))
+
+    def write(self, seq_ids: torch.Tensor, columns: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor):
+        self.tokens[seq_ids, columns] = tokens
+        self.logprobs[seq_ids, columns] = logprobs.float()
+
+    def token_lists(self, seq_ids: list[int], lengths: list[int]) -> list[list[int]]:
+        return self._lists(self.tokens, seq_ids, lengths)
+
+    def logprob_lists(self, seq_ids: list[int], lengths: list[int]) -> list[list[float]]:
+        return self._lists(self.logprobs, seq_ids, lengths)
+
+    @staticmethod
+    def _lists(buffer: torch.Tensor, seq_ids: list[int], lengths: list[int]) -> list[list]:
+        """The first lengths[i] entries of row seq_ids[i], from one copy to the host (a boolean-mask gather of the
+        valid entries is several times slower on a CPU than slicing each row)."""
+        if not seq_ids:
+            return []
+        rows = buffer[torch.tensor(seq_ids, device=buffer.device)].cpu()
+        return [row[:length].tolist() for row, length in zip(rows, lengths, strict=True)]

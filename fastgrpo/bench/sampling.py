@@ -8,7 +8,9 @@ tokens/s counts generated tokens over the wall time of the one timed call.
 Per step: the call's wall time over its forwards (fastgrpo: prefill and decode steps; HF generate: one forward per
 new token), and on a CPU the part of it inside the model's forward (its `forward` timed) and the rest, outside:
 the sampler's own work (scheduling, batch building, sampling, finish checks, and the call's set-up and output,
-spread over its steps). fastgrpo decodes all P x G sequences at once (max_num_seqs = P x G).
+spread over its steps). For fastgrpo that rest is split into the sampling math (`sampler.sample`: a few passes over
+the [rows, V] logits, device work on a GPU) and the engine's host work (all the rest). fastgrpo decodes all P x G
+sequences at once (max_num_seqs = P x G).
 
 `--overhead` isolates that rest: a model whose forward costs almost nothing (1 layer, hidden 16, vocab 64), 16-token
 prompts, G = 8, 64 new tokens, at P = 8, 64 and 256 (64, 512 and 2048 sequences), fastgrpo vs HF generate.
@@ -19,6 +21,7 @@ prompts, G = 8, 64 new tokens, at P = 8, 64 and 256 (64, 512 and 2048 sequences)
 """
 
 import argparse
+import gc
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -105,16 +108,38 @@ class ForwardTimer:
         self.calls, self.seconds = 0, 0.0
 
 
+class SampleTimer:
+    """Seconds in fastgrpo's sampling math (sampler.sample: [rows, V] passes, device work on a GPU), timed on a CPU."""
+
+    def __init__(self):
+        from fastgrpo.sampling import engine
+
+        self.seconds, sample = 0.0, engine.sample
+
+        def timed_sample(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return sample(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        engine.sample = timed_sample
+
+
 def measure(method: str, workload: Workload) -> dict:
     """Run in this process: warm up on a small call, then time one call of the workload."""
     device = torch.device(workload.device)
     model = build_model(workload)
+    gc.freeze()  # every method: a full collection would re-scan the libraries' and the model's objects (~0.3 s)
     forwards = ForwardTimer(model, device)
+    sampling = SampleTimer() if method == "fastgrpo" and forwards.timed else None
     small = Workload(**{**asdict(workload), "prompts": 1, "group_size": 2, "max_new_tokens": 8})
     warm, _ = _caller(method, model, small)
     warm()
     call, count = _caller(method, model, workload)
     forwards.reset()
+    if sampling:
+        sampling.seconds = 0.0
     seconds, peak_bytes, out = harness.time_call(lambda _: call(), device, repeats=1, warmup=0)
     tokens = count(out)
     expected = workload.prompts * workload.group_size * workload.max_new_tokens
@@ -126,6 +151,9 @@ def measure(method: str, workload: Workload) -> dict:
         row["forward_ms_per_step"] = forwards.seconds / forwards.calls * 1e3
         row["outside_ms_per_step"] = row["ms_per_step"] - row["forward_ms_per_step"]
         row["outside_share"] = row["outside_ms_per_step"] / row["ms_per_step"]
+    if sampling:
+        row["sample_ms_per_step"] = sampling.seconds / forwards.calls * 1e3
+        row["host_ms_per_step"] = row["outside_ms_per_step"] - row["sample_ms_per_step"]
     return row
 
 
@@ -188,14 +216,14 @@ def run(args: argparse.Namespace) -> list[dict]:
     env = harness.environment(torch.device(device))
     for row in rows:
         row.update(env)
-    table = harness.markdown_table(rows, [("method", "method", ""), ("P x G", "sequences", "d"),
-                                  ("tokens/s", "tokens_per_s", ".1f"), ("seconds", "seconds", ".2f"),
-                                  ("steps", "steps", "d"), ("ms / step", "ms_per_step", ".2f"),
-                                  ("forward ms / step", "forward_ms_per_step", ".2f"),
-                                  ("outside ms / step", "outside_ms_per_step", ".2f"),
-                                  ("outside share", "outside_share", ".0%"), ("peak MiB", "peak_memory_mib", ".1f"),
-                                  ("x HF generate", "speedup_vs_hf_generate", ".2f"),
-                                  ("memory / HF generate", "memory_vs_hf_generate", ".2f")])
+    table = harness.markdown_table(rows, [
+        ("method", "method", ""), ("P x G", "sequences", "d"), ("tokens/s", "tokens_per_s", ".1f"),
+        ("seconds", "seconds", ".2f"), ("steps", "steps", "d"), ("ms / step", "ms_per_step", ".2f"),
+        ("forward ms / step", "forward_ms_per_step", ".2f"), ("outside ms / step", "outside_ms_per_step", ".2f"),
+        ("outside share", "outside_share", ".0%"), ("of which sampling math", "sample_ms_per_step", ".2f"),
+        ("of which engine host work", "host_ms_per_step", ".2f"), ("peak MiB", "peak_memory_mib", ".1f"),
+        ("x HF generate", "speedup_vs_hf_generate", ".2f"), ("memory / HF generate", "memory_vs_hf_generate", ".2f"),
+    ])
     first = rows[0]
     title = (f"{first['shape']} ({first['dtype']}) on {env['device']}: P prompts x G={first['group_size']}, prompt "
              f"{first['prompt_len']}, {first['max_new_tokens']} new tokens each, {torch.get_num_threads()} torch "

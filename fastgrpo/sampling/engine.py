@@ -14,6 +14,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fastgrpo.models import find_hf_model, stop_token_ids
@@ -333,11 +334,12 @@ def stop_string_candidates(tokenizer, stop: tuple[str, ...], vocab_size: int) ->
 
 
 class FinishCheck:
-    """Which of a step's sampled tokens end their sequence: a stop token, the length limit or a stop string. All
-    tokens are flagged on the device, and one small read brings back only the flagged ones; stop strings are then
-    checked on the host for the flagged candidates alone (stop_string_candidates)."""
+    """Which of a step's sampled tokens end their sequence: the length limit (from the host's column counts), a stop
+    token or a stop string. Stop tokens and stop-string candidates are flagged on the device, and one small read
+    brings back only the flagged ones; stop strings are then checked on the host for the candidates alone
+    (stop_string_candidates)."""
 
-    STOP, LENGTH, STRING = 1, 2, 4
+    STOP, STRING = 1, 2
 
     def __init__(self, params: SamplingParams, stop_ids: set[int], outputs: Outputs, tokenizer, candidates):
         device = outputs.tokens.device
@@ -347,25 +349,28 @@ class FinishCheck:
         self.window = max(map(len, params.stop), default=0) + 1  # a stop string spans at most len(s) tokens
         self.outputs, self.tokenizer, self.candidates = outputs, tokenizer, candidates
 
-    def __call__(self, tokens: torch.Tensor, seq_ids: torch.Tensor, columns: torch.Tensor) -> dict[int, str]:
-        """tokens, and where each went (output row, column) [R] -> {index: "stop" or "length"} of those that end."""
-        flags = (columns >= self.max_new_tokens - 1).to(torch.uint8) * self.LENGTH
+    def __call__(self, tokens: torch.Tensor, seq_ids: torch.Tensor, columns: torch.Tensor,
+                 host_columns: np.ndarray) -> dict[int, str]:
+        """tokens, and where each went (output row, column) [R] on the device, the columns also on the host ->
+        {index: "stop" or "length"} of those that end. The length limit is checked on the host; without stop
+        tokens or strings nothing is read from the device."""
+        reasons = dict.fromkeys(np.flatnonzero(host_columns >= self.max_new_tokens - 1).tolist(), "length")
+        if self.stop_ids is None and self.candidates is None:
+            return reasons
+        flags = torch.zeros_like(tokens, dtype=torch.uint8)
         if self.stop_ids is not None:
             flags += torch.isin(tokens, self.stop_ids).to(torch.uint8) * self.STOP
         if self.candidates is not None:
             flags += self.candidates[tokens].to(torch.uint8) * self.STRING
         hits = flags.nonzero()[:, 0]  # the step's one host read
         if not hits.numel():
-            return {}
+            return reasons
         index, kinds = hits.tolist(), flags[hits].tolist()
-        strings = [i for i, kind in zip(index, kinds, strict=True) if kind & self.STRING and not kind & self.STOP]
+        strings = [i for i, kind in zip(index, kinds, strict=True) if kind == self.STRING]
         completes = self._completes_string(strings, seq_ids, columns)
-        reasons = {}
         for i, kind in zip(index, kinds, strict=True):
             if kind & self.STOP or i in completes:
                 reasons[i] = "stop"
-            elif kind & self.LENGTH:
-                reasons[i] = "length"
         return reasons
 
     def _completes_string(self, index: list[int], seq_ids: torch.Tensor, columns: torch.Tensor) -> set[int]:

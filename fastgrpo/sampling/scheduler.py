@@ -15,6 +15,7 @@ Host work that finds no page preempts the youngest group with no rows this step,
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from fastgrpo.sampling.batch import DecodeBatch, Outputs
@@ -194,7 +195,8 @@ class Scheduler:
 
     def update(self, step: Step, tokens: torch.Tensor, logprobs: torch.Tensor, targets, finish) -> None:
         """Account the step's computed tokens and hand out the sampled ones, which go to `targets` (from
-        sample_targets). `finish(tokens, seq_ids, columns)` says which sampled tokens end their sequence, and why."""
+        sample_targets). `finish(tokens, seq_ids, columns, host_columns)` says which sampled tokens end their sequence,
+        and why."""
         rows = step.num_rows
         sampled: list[Sequence] = []  # host work's sampling sequences, in order
         for group, seq, chunk, samples in zip(step.groups, step.seqs, step.chunks, step.num_samples, strict=True):
@@ -212,7 +214,10 @@ class Scheduler:
         device = tokens.device
         seq_ids, columns = targets
         self.outputs.write(seq_ids, columns, tokens, logprobs)
-        reasons = finish(tokens, seq_ids, columns)  # {index in tokens: finish reason}
+        host_columns = self.batch.generated_h[:rows]
+        if sampled:
+            host_columns = np.concatenate([host_columns, [seq.num_generated for seq in sampled]])
+        reasons = finish(tokens, seq_ids, columns, host_columns)  # {index in tokens: finish reason}
         self.batch.advance(tokens[:rows])
         for seq in sampled:
             seq.num_generated += 1

@@ -119,13 +119,21 @@ class TorchRows:
             if keep_cap_grad:
                 self.cap_grad = 1 - th * th
             z = th.mul_(softcap)
-        m = z.amax(-1, keepdim=True)  # [C, 1]
-        z -= m
-        self.e = torch.exp(z, out=e_out) if e_out is not None else torch.exp(z)  # [C, V]: exp(z - m)
+        # exp(z) needs no max subtracted while every row's sum stays finite and far above the smallest normal
+        # number (then an exp that underflows weighs less than the sum's rounding): two passes over Z saved; rows
+        # outside that range (logits above ~80, or all far below 0) take the shifted form.
+        self.e = torch.exp(z, out=e_out) if e_out is not None else torch.exp(z)  # [C, V]: exp(z - m), m = 0
         self.s = self.e.sum(-1)  # [C]
+        m = None
+        finfo = torch.finfo(z.dtype)
+        if not bool(((self.s >= finfo.tiny / finfo.eps) & (self.s <= finfo.max)).all()):
+            m = z.amax(-1, keepdim=True)  # [C, 1]
+            z -= m
+            torch.exp(z, out=self.e)
+            self.s = self.e.sum(-1)
         self.log_s = self.s.log()
         self.ids = ids
-        self.lse = m.view(-1) + self.log_s
+        self.lse = self.log_s if m is None else m.view(-1) + self.log_s
         self.logp = z.gather(1, ids[:, None]).view(-1) - self.log_s
         self.entropy = None
         if entropy:

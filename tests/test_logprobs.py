@@ -58,6 +58,15 @@ def test_extreme_logits(monkeypatch, backend, dtype):
     assert_close("uniform row entropy", ent[3:4], torch.tensor([torch.log(torch.tensor(200.0))]), atol=1e-5)
 
 
+@pytest.mark.parametrize("offset", [-300.0, 85.0])
+def test_logits_far_from_zero(monkeypatch, offset):
+    """The CPU row passes skip the max subtraction while exp(z) sums stay in range: logits all far below zero (the
+    sum underflows) or near the top of exp's range (it overflows at V terms) take the shifted form, exactly."""
+    hidden, weight, bias, ids = make_head((6,), 16, 300, scale=1.0, bias=True)
+    bias = bias + offset
+    _three_way(monkeypatch, "torch", torch.float32, hidden, weight, bias, ids, 1.0)
+
+
 def test_real_vocab_chunked(monkeypatch):
     """Qwen2's vocab (151936) on the chunked path: several chunks, forward and gradients."""
     hidden, weight, bias, ids = make_head((40,), 32, 151936, scale=4.0, bias=True)

@@ -13,7 +13,8 @@ the [rows, V] logits, device work on a GPU) and the engine's host work (all the 
 sequences at once (max_num_seqs = P x G).
 
 `--overhead` isolates that rest: a model whose forward costs almost nothing (1 layer, hidden 16, vocab 64), 16-token
-prompts, G = 8, 64 new tokens, at P = 8, 64 and 256 (64, 512 and 2048 sequences), fastgrpo vs HF generate.
+prompts, G = 8, 64 new tokens, at P = 8, 64 and 256 (64, 512 and 2048 sequences), fastgrpo vs HF generate, the
+median of 7 calls each (a call takes well under a second: one would be at the mercy of the machine's drift).
 
     fastgrpo bench sampling                       # CPU: tiny model; GPU: Qwen2.5-1.5B shape, 64 x 8, 256 + 512
     fastgrpo bench sampling --overhead            # CPU: ms per decode step outside the forward, 64 to 2048 sequences
@@ -42,6 +43,7 @@ class Workload:
     group_size: int
     prompt_len: int
     max_new_tokens: int
+    repeats: int = 1  # timed calls (the median is kept), after the warm-up call
 
     def prompt_ids(self, vocab_size: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(0)
@@ -140,14 +142,15 @@ def measure(method: str, workload: Workload) -> dict:
     forwards.reset()
     if sampling:
         sampling.seconds = 0.0
-    seconds, peak_bytes, out = harness.time_call(lambda _: call(), device, repeats=1, warmup=0)
+    seconds, peak_bytes, out = harness.time_call(lambda _: call(), device, repeats=workload.repeats, warmup=0)
     tokens = count(out)
     expected = workload.prompts * workload.group_size * workload.max_new_tokens
     assert tokens == expected, f"{method} generated {tokens} tokens, expected {expected}"
+    steps = forwards.calls // workload.repeats  # forwards per call
     row = {"method": method, **asdict(workload), "sequences": workload.prompts * workload.group_size,
            "generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-           "peak_memory_bytes": peak_bytes, "steps": forwards.calls, "ms_per_step": seconds / forwards.calls * 1e3}
-    if forwards.timed:
+           "peak_memory_bytes": peak_bytes, "steps": steps, "ms_per_step": seconds / steps * 1e3}
+    if forwards.timed:  # the forward's and the sampling math's share: their mean over the timed calls
         row["forward_ms_per_step"] = forwards.seconds / forwards.calls * 1e3
         row["outside_ms_per_step"] = row["ms_per_step"] - row["forward_ms_per_step"]
         row["outside_share"] = row["outside_ms_per_step"] / row["ms_per_step"]
@@ -183,6 +186,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, help="completions per prompt G")
     parser.add_argument("--prompt-len", type=int, help="tokens per prompt")
     parser.add_argument("--max-new-tokens", type=int, help="tokens per completion (no stop token)")
+    parser.add_argument("--repeats", type=int, help="timed calls per method, median kept (default 1; --overhead: 7)")
     parser.add_argument("--methods", nargs="+", choices=METHODS,
                         help=f"default: {' '.join(METHODS)} (--overhead: fastgrpo hf_generate)")
     parser.add_argument("--out-dir", default="benchmarks/results", help="where the .json and .md results go")
@@ -198,7 +202,11 @@ def run(args: argparse.Namespace) -> list[dict]:
         for value in values:
             if value is not None and value < 1:
                 raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    repeats = args.repeats if args.repeats is not None else (7 if args.overhead else 1)
+    if repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {repeats}")
     settings = {k: v if v is not None else defaults[k] for k, v in chosen.items()}
+    settings["repeats"] = repeats
     prompt_counts = settings.pop("prompts")
     methods = args.methods or (["fastgrpo", "hf_generate"] if args.overhead else list(METHODS))
     rows = []
@@ -227,7 +235,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     first = rows[0]
     title = (f"{first['shape']} ({first['dtype']}) on {env['device']}: P prompts x G={first['group_size']}, prompt "
              f"{first['prompt_len']}, {first['max_new_tokens']} new tokens each, {torch.get_num_threads()} torch "
-             "thread(s)")
+             f"thread(s), median of {repeats} call(s) after a warm-up call")
     print(title)
     print(table)
     for row in rows:

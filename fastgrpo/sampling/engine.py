@@ -290,7 +290,7 @@ class Engine:
         if logits is None:
             logits = self._eager_forward(rows, batch.max_context(), host, kv_cache)
         if host is not None and any(count > 1 for count in host.sample_counts):  # a first fork samples n tokens
-            counts = torch.tensor([1] * step.num_rows + host.sample_counts)
+            counts = torch.cat([torch.ones(step.num_rows, dtype=torch.long), torch.tensor(host.sample_counts)])
             logits = logits[torch.repeat_interleave(torch.arange(len(counts)), counts).to(self.device)]
         return sample(logits.float(), params, u)
 

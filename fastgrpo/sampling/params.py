@@ -57,7 +57,8 @@ class EngineConfig:
     block_size: tokens per KV page. flash-attn's paged kernels need a multiple of 256.
     num_blocks: pages in the pool; None sizes it from free memory (`memory_fraction` of what is free when
         `generate` starts), capped at what the call can ever use.
-    max_num_seqs: sequences decoded together at most.
+    max_num_seqs: sequences decoded together at most (and no more than max_num_batched_tokens; a group of more
+        than that still runs, alone).
     max_num_batched_tokens: tokens per forward at most (decode tokens first, then chunks of prompts).
     attention: "auto" (flash when installed and block_size allows, else triton on CUDA, torch on CPU),
         "torch" (gather + SDPA reference), "triton", "flash".

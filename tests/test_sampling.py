@@ -365,9 +365,14 @@ def test_seeded_sampling_does_not_depend_on_the_schedule(model):
     preempting = Engine(model, block_size=4, num_blocks=22, max_num_batched_tokens=7)
     preempting.generate(prompts, n=3, params=params)
     assert preempting.stats.num_preemptions > 0
-    # The first prompt's completions are the same when it is sampled alone.
+    # The first prompt's completions are the same when it is sampled alone, and any slice of the prompts given its
+    # place in the batch (group_ids: another process's share) samples what the whole call did.
     alone = Engine(model, block_size=4).generate(prompts[:1], n=3, params=params)
     assert [c.token_ids for c in alone[0]] == [c.token_ids for c in want[0]]
+    share = Engine(model, block_size=4).generate(prompts[3:5], n=3, params=params, group_ids=[3, 4])
+    assert [[c.token_ids for c in g] for g in share] == [[c.token_ids for c in g] for g in want[3:5]]
+    unplaced = Engine(model, block_size=4).generate(prompts[3:5], n=3, params=params)
+    assert [[c.token_ids for c in g] for g in unplaced] != [[c.token_ids for c in g] for g in want[3:5]]
 
 
 def test_sampler_draws_from_the_processed_distribution():
@@ -525,6 +530,9 @@ def test_bad_generate_inputs():
         engine.generate([[1, 2]], params=dict(temperature=0))
     with pytest.raises(ValueError, match="tokenizer"):
         engine.generate([[1, 2]], params=SamplingParams(stop=["w3"]))
+    for group_ids, match in [([0, 1], "group_ids must"), ([-1], r"group_ids\[i\]"), ([1.5], r"group_ids\[i\]")]:
+        with pytest.raises(ValueError, match=match):
+            engine.generate([[1, 2]], params=SamplingParams(max_new_tokens=4, seed=0), group_ids=group_ids)
     with pytest.raises(ValueError, match="num_blocks=3"):
         Engine(model, block_size=4, num_blocks=3).generate([[1] * 9], n=2, params=SamplingParams(max_new_tokens=8))
     with pytest.raises(ValueError, match="attention='triton'"):

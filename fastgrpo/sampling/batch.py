@@ -124,11 +124,14 @@ class Outputs:
     random number each token will be drawn with (sampler.uniforms of the seed, completion and column; None for
     greedy decoding): 20 bytes per token the call may sample, fewer than the returned Python lists take."""
 
-    def __init__(self, num_seqs: int, max_new_tokens: int, device: torch.device, seed: int | None):
+    def __init__(self, num_seqs: int, max_new_tokens: int, device: torch.device, seed: int | None,
+                 streams: torch.Tensor | None = None):
+        """`streams` [num_seqs]: the random stream of each output row (default: the row itself)."""
         self.tokens = torch.zeros(num_seqs, max_new_tokens, dtype=torch.long, device=device)
         self.logprobs = torch.zeros(num_seqs, max_new_tokens, dtype=torch.float32, device=device)
+        streams = torch.arange(num_seqs, device=device) if streams is None else streams.to(device)
         self.uniforms = None if seed is None else uniforms(
-            seed, torch.arange(num_seqs, device=device)[:, None], torch.arange(max_new_tokens, device=device))
+            seed, streams[:, None], torch.arange(max_new_tokens, device=device))
 
     def write(self, seq_ids: torch.Tensor, columns: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor):
         self.tokens[seq_ids, columns] = tokens

@@ -153,10 +153,20 @@ class Engine:
     # -- the public call --
 
     def generate(
-        self, prompt_token_ids: list[list[int]], n: int = 1, params: SamplingParams | None = None
+        self, prompt_token_ids: list[list[int]], n: int = 1, params: SamplingParams | None = None,
+        group_ids: list[int] | None = None,
     ) -> list[list[Completion]]:
+        """G = n completions of each prompt. With a seed, completion j of prompt i draws its tokens from random
+        stream group_ids[i] * n + j (default group_ids: 0, 1, ...): give each prompt group its place in a larger
+        batch and a call over any slice of that batch (another process's share, say) samples what one call over
+        the whole batch would."""
         params = SamplingParams() if params is None else params
         self._check_inputs(prompt_token_ids, n, params)
+        if group_ids is not None:
+            if not isinstance(group_ids, (list, tuple)) or len(group_ids) != len(prompt_token_ids):
+                raise ValueError("group_ids must be a list with one int per prompt")
+            for group_id in group_ids:
+                check_int("group_ids[i]", group_id, 0)
         start = time.perf_counter()
         groups = [Group(prompt=Sequence(list(prompt), len(prompt)), n=n, index=i)
                   for i, prompt in enumerate(prompt_token_ids)]  # fmt: skip
@@ -166,7 +176,9 @@ class Engine:
         max_rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         batch = DecodeBatch(max(max_rows, n), max_blocks_per_seq, pool.block_size, self.device)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
-        outputs = Outputs(len(groups) * n, params.max_new_tokens, self.device, None if params.greedy else seed)
+        streams = None if group_ids is None else (torch.tensor(group_ids)[:, None] * n + torch.arange(n)).view(-1)
+        outputs = Outputs(len(groups) * n, params.max_new_tokens, self.device, None if params.greedy else seed,
+                          streams)
         scheduler = Scheduler(groups, pool, batch, outputs, self.config.max_num_seqs,
                               self.config.max_num_batched_tokens)  # fmt: skip
         finish = self._finish_check(params, outputs)

@@ -375,6 +375,37 @@ def test_seeded_sampling_does_not_depend_on_the_schedule(model):
     assert [[c.token_ids for c in g] for g in unplaced] != [[c.token_ids for c in g] for g in want[3:5]]
 
 
+def test_random_schedules_sample_the_same():
+    """Random prompts, group sizes, stop tokens, page sizes, pools, row limits and token budgets: the engine under
+    any of them (preempting, chunking, admitting late) samples exactly what the default engine does, and frees every
+    page: joins, leaves, page crossings and recomputes all land where a plain run puts them."""
+    import random
+
+    model, rng = tiny("qwen2"), random.Random(0)
+    preemptions = 0
+    for trial in range(12):
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 6))]
+        prompts = [[rng.randrange(3, NUM_WORDS + 3) for _ in range(length)] for length in lengths]
+        n, block_size = rng.randint(1, 5), rng.choice([1, 2, 4, 16])
+        params = SamplingParams(temperature=rng.choice([0.0, 1.0, 0.7]), top_k=rng.choice([0, 10]), seed=trial,
+                                max_new_tokens=rng.randint(1, 20),
+                                stop_token_ids=tuple(rng.sample(range(3, NUM_WORDS + 3), rng.randint(0, 3))))
+        want = Engine(model, block_size=block_size).generate(prompts, n=n, params=params)
+        group_pages = max(len(p) // block_size + n * -(-(len(p) % block_size + params.max_new_tokens) // block_size)
+                          for p in prompts)
+        engine = Engine(model, block_size=block_size, num_blocks=group_pages + rng.randint(0, 10),
+                        max_num_seqs=rng.randint(1, 12), max_num_batched_tokens=rng.randint(1, 30))
+        got = engine.generate(prompts, n=n, params=params)
+        assert [[(c.token_ids, c.finish_reason) for c in g] for g in got] == [
+            [(c.token_ids, c.finish_reason) for c in g] for g in want], (trial, engine.config)
+        for g, w in zip(got, want, strict=True):
+            for c, d in zip(g, w, strict=True):
+                assert_close("logprobs", torch.tensor(c.logprobs), torch.tensor(d.logprobs), atol=1e-4)
+        assert engine.stats.leaked_blocks == 0
+        preemptions += engine.stats.num_preemptions
+    assert preemptions > 0
+
+
 def test_sampler_draws_from_the_processed_distribution():
     """Counter-based uniforms through the inverse CDF: frequencies over many (completion, column) keys match the
     probabilities (chi-square), tokens outside top-k are never drawn, and the uniforms are uniform."""

@@ -5,6 +5,15 @@
 """
 
 from fastgrpo.train.config import TrainConfig
-from fastgrpo.train.trainer import Trainer
 
 __all__ = ["TrainConfig", "Trainer"]
+
+
+def __getattr__(name: str):
+    # The Trainer pulls in transformers' training stack (seconds of imports): only on first use, so that
+    # `fastgrpo --help` and the bench suites start without it.
+    if name == "Trainer":
+        from fastgrpo.train.trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -165,6 +165,19 @@ def _free_stem(stem: Path) -> Path:
     return candidate
 
 
+def publish(out_dir: str | Path, suite: str, env: dict, rows: list[dict], title: str, table: str) -> None:
+    """A suite's ending: print the title, the table and each failed method's error, write the results files, and
+    exit non-zero when no method produced a result."""
+    print(title)
+    print(table)
+    for row in rows:
+        if failed(row):
+            print(f"{row['method']} failed: {row['error']}")
+    json_path, md_path = write_results(out_dir, suite, env, rows, f"{title}\n\n{table}")
+    print(f"wrote {json_path} and {md_path}")
+    exit_if_all_failed(rows, json_path)
+
+
 def exit_if_all_failed(rows: list[dict], json_path: Path) -> None:
     """A run in which no method produced a result exits non-zero (its errors stay on record in json_path)."""
     if all(map(failed, rows)):

@@ -236,15 +236,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     title = (f"{first['shape']} ({first['dtype']}) on {env['device']}: P prompts x G={first['group_size']}, prompt "
              f"{first['prompt_len']}, {first['max_new_tokens']} new tokens each, {torch.get_num_threads()} torch "
              f"thread(s), median of {repeats} call(s) after a warm-up call")
-    print(title)
-    print(table)
-    for row in rows:
-        if "error" in row:
-            print(f"{row['method']} failed: {row['error']}")
     suite = "sampling-overhead" if args.overhead else "sampling"
-    json_path, md_path = harness.write_results(args.out_dir, suite, env, rows, f"{title}\n\n{table}")
-    print(f"wrote {json_path} and {md_path}")
-    harness.exit_if_all_failed(rows, json_path)
+    harness.publish(args.out_dir, suite, env, rows, title, table)
     return rows
 
 

@@ -396,14 +396,7 @@ def run(args: argparse.Namespace) -> list[dict]:
              f"G={workload.group_size}, prompt {workload.prompt_len}, up to {workload.max_new_tokens} new tokens "
              f"(p(EOS) 1/{workload.eos_every:g}), micro-batch {workload.micro_batch}, dapo, beta 0; median of "
              f"{workload.repeats} step(s) after a warm-up step, {workload.threads} torch thread(s)")
-    print(title)
-    print(table)
-    for row in rows:
-        if "error" in row:
-            print(f"{row['method']} failed: {row['error']}")
-    json_path, md_path = harness.write_results(args.out_dir, "step", env, rows, f"{title}\n\n{table}")
-    print(f"wrote {json_path} and {md_path}")
-    harness.exit_if_all_failed(rows, json_path)
+    harness.publish(args.out_dir, "step", env, rows, title, table)
     return rows
 
 

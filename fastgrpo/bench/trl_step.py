@@ -202,14 +202,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     title = (f"{workload.shape} ({workload.dtype}) on {env['device']}: {workload.completions} completions x "
              f"{workload.completion_len} tokens after {workload.prompt_len} prompt tokens, loss_type "
              f"{workload.loss_type}, median of {workload.repeats}, {workload.threads} torch thread(s)")
-    print(title)
-    print(table)
-    for row in rows:
-        if "error" in row:
-            print(f"{row['method']} failed: {row['error']}")
-    json_path, md_path = harness.write_results(args.out_dir, "trl-step", env, rows, f"{title}\n\n{table}")
-    print(f"wrote {json_path} and {md_path}")
-    harness.exit_if_all_failed(rows, json_path)
+    harness.publish(args.out_dir, "trl-step", env, rows, title, table)
     return rows
 
 

@@ -83,10 +83,10 @@ def build_paged_batch(
         context_starts = torch.cat([context.new_zeros(1), context.cumsum(0, dtype=torch.int32)])
 
     tiles, tile_seqs, tile_starts = None, None, None
+    max_query_len = max(query_lens, default=1)
     if backend == "triton":  # a decode row is one tile: (its row, token 0)
-        tiles, seqs, starts = triton_tiles(query_lens or [1], group, kv_cache.dtype)
-        if not query_lens:
-            seqs, starts = [], []
+        tiles = tiles_for(group, max_query_len, kv_cache.dtype)
+        seqs, starts = attention_tiles(query_lens, tiles.block_m // group)
         tile_seqs = torch.cat([row_starts[:num_rows], tensor(seqs, torch.int32) + num_rows])
         tile_starts = torch.cat([torch.zeros_like(row_starts[:num_rows]), tensor(starts, torch.int32)])
     return PagedBatch(
@@ -96,7 +96,7 @@ def build_paged_batch(
         context_lens=context,
         query_starts=query_starts,
         context_starts=context_starts,
-        max_query_len=max(query_lens, default=1),
+        max_query_len=max_query_len,
         max_context_len=max(rows_max_context, max(context_lens, default=0)),
         backend=backend,
         tile_seqs=tile_seqs,

@@ -196,7 +196,7 @@ class Engine:
                 for src, dst in scheduler.take_copies():
                     kv_cache[:, :, dst] = kv_cache[:, :, src]
                 targets = scheduler.sample_targets(step)
-                u = None if outputs.uniforms is None else outputs.uniforms[targets]
+                u = None if outputs.uniforms is None else outputs.uniforms[targets.seq_ids, targets.columns]
                 tokens, logprobs = self._run(step, batch, kv_cache, params, u, graphs)
                 scheduler.update(step, tokens, logprobs, targets, finish)
                 self.stats.num_steps += 1

@@ -14,6 +14,7 @@ Host work that finds no page preempts the youngest group with no rows this step,
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,6 +22,14 @@ import torch
 from fastgrpo.sampling.batch import DecodeBatch, Outputs
 from fastgrpo.sampling.block_pool import BlockPool, blocks_for
 from fastgrpo.sampling.sequence import Group, Sequence
+
+
+class Targets(NamedTuple):
+    """Where a step's R sampled tokens go: output row and column on the device, the columns also on the host."""
+
+    seq_ids: torch.Tensor  # [R] int64
+    columns: torch.Tensor  # [R] int64
+    host_columns: np.ndarray  # [R] int64
 
 
 @dataclass(slots=True)
@@ -175,9 +184,9 @@ class Scheduler:
         self.waiting.appendleft(group)
         self.num_preemptions += 1
 
-    def sample_targets(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the step's sampled tokens go, in sampling order (decode rows, then host work in `step` order):
-        (output rows, columns) [R] on the device. A first fork samples column 0 of all n completions."""
+    def sample_targets(self, step: Step) -> Targets:
+        """Where the step's sampled tokens go, in sampling order (decode rows, then host work in `step` order).
+        A first fork samples column 0 of all n completions."""
         rows = step.num_rows
         seq_ids, columns = self.batch.seq_ids[:rows], self.batch.generated[:rows]
         host_ids, host_columns = [], []
@@ -191,9 +200,10 @@ class Scheduler:
         if host_ids:
             host = torch.tensor([host_ids, host_columns]).to(seq_ids.device, non_blocking=True)
             seq_ids, columns = torch.cat([seq_ids, host[0]]), torch.cat([columns, host[1]])
-        return seq_ids, columns
+        host_columns = np.concatenate([self.batch.generated_h[:rows], np.asarray(host_columns, dtype=np.int64)])
+        return Targets(seq_ids, columns, host_columns)
 
-    def update(self, step: Step, tokens: torch.Tensor, logprobs: torch.Tensor, targets, finish) -> None:
+    def update(self, step: Step, tokens: torch.Tensor, logprobs: torch.Tensor, targets: Targets, finish) -> None:
         """Account the step's computed tokens and hand out the sampled ones, which go to `targets` (from
         sample_targets). `finish(tokens, seq_ids, columns, host_columns)` says which sampled tokens end their sequence,
         and why."""
@@ -212,12 +222,8 @@ class Scheduler:
         assert rows + len(sampled) == tokens.numel(), (rows, len(sampled), tokens.numel())
 
         device = tokens.device
-        seq_ids, columns = targets
-        self.outputs.write(seq_ids, columns, tokens, logprobs)
-        host_columns = self.batch.generated_h[:rows]
-        if sampled:
-            host_columns = np.concatenate([host_columns, [seq.num_generated for seq in sampled]])
-        reasons = finish(tokens, seq_ids, columns, host_columns)  # {index in tokens: finish reason}
+        self.outputs.write(targets.seq_ids, targets.columns, tokens, logprobs)
+        reasons = finish(tokens, *targets)  # {index in tokens: finish reason}
         self.batch.advance(tokens[:rows])
         for seq in sampled:
             seq.num_generated += 1

@@ -58,10 +58,6 @@ class Group:
         if not self.pending and not self.children:
             self.pending = [self.prompt]
 
-    def active(self) -> list[Sequence]:
-        """Sequences with tokens to compute."""
-        return self.active_children() if self.forked else [self.prompt]
-
     def active_children(self) -> list[Sequence]:
         return [seq for seq in self.children if not seq.finished]
 

@@ -103,8 +103,8 @@ def one_step(config, monkeypatch, perturb: float = 0.0) -> dict:
     trainer._update = lambda rollout: out["rollouts"].append(rollout) or update(rollout)
     generate, noise = trainer.engine.generate, torch.Generator().manual_seed(1)
 
-    def noisy(prompts, n=1, params=None):
-        outputs = generate(prompts, n=n, params=params)
+    def noisy(prompts, n=1, params=None, group_ids=None):
+        outputs = generate(prompts, n=n, params=params, group_ids=group_ids)
         if n > 1:  # the training round's (evaluation samples one completion per prompt)
             for c in (c for group in outputs for c in group):
                 c.logprobs = [lp + perturb * float(torch.randn((), generator=noise)) for lp in c.logprobs]

@@ -6,6 +6,16 @@
         optimizer.pt, scheduler.pt, rng_state.pt   tensors and plain containers only: torch.load(weights_only=True)
         trainer_state.json                   step, data position, the evaluation before training
 
+Several processes write a sharded checkpoint instead: torch.distributed.checkpoint (DCP) in dcp/, each rank its own
+shards of the model (trainable parameters) and AdamW states, which load into any number of processes and either
+parallelism (DCP reshards on load); config.json, tokenizer, scheduler, RNG and trainer state beside it, from rank 0;
+and at the run's last step also the whole model exported by rank 0 with save_pretrained.
+
+    output_dir/checkpoint-<step>/
+        dcp/.metadata, dcp/__<rank>_0.distcp    sharded model and optimizer
+        config.json, tokenizer files, scheduler.pt, rng_state.pt, trainer_state.json
+        model.safetensors (or adapter_model.safetensors)   the last step's export
+
 A checkpoint is written to a hidden temporary folder and renamed into place once complete (a rename is atomic on
 POSIX), so a write that is killed midway leaves the previous checkpoints as they were. --resume starts from the
 newest checkpoint whose files are whole (`verify`); a damaged newer one is skipped with a warning naming the file.
@@ -24,6 +34,8 @@ import torch
 
 TRAINER_STATE = "trainer_state.json"
 STATE_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pt", TRAINER_STATE)
+SHARDED = "dcp"  # the folder of a sharded checkpoint's model and optimizer
+SHARDED_STATE_FILES = (f"{SHARDED}/.metadata", "scheduler.pt", "rng_state.pt", TRAINER_STATE)
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
 
@@ -52,20 +64,34 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save(output_dir: Path, step: int, model, tokenizer, optimizer, scheduler, state: dict,
-         total_limit: int | None) -> Path:
-    final = output_dir / f"checkpoint-{step}"
+def _partial(output_dir: Path, step: int) -> Path:
     partial = output_dir / f".checkpoint-{step}.partial"
     for stale in output_dir.glob(".checkpoint-*.partial"):  # left by killed writes
         shutil.rmtree(stale)
     partial.mkdir(parents=True)
-    model.save_pretrained(partial, safe_serialization=True)
+    return partial
+
+
+def _write_state(partial: Path, step: int, tokenizer, scheduler, state: dict) -> None:
     tokenizer.save_pretrained(partial)
-    torch.save(optimizer.state_dict(), partial / "optimizer.pt")
     torch.save(scheduler.state_dict(), partial / "scheduler.pt")
     torch.save(rng_state(), partial / "rng_state.pt")
     (partial / TRAINER_STATE).write_text(json.dumps({"step": step, **state}, indent=2))
-    for path in [*partial.iterdir(), partial]:
+
+
+def save(output_dir: Path, step: int, model, tokenizer, optimizer, scheduler, state: dict,
+         total_limit: int | None) -> Path:
+    partial = _partial(output_dir, step)
+    model.save_pretrained(partial, safe_serialization=True)
+    torch.save(optimizer.state_dict(), partial / "optimizer.pt")
+    _write_state(partial, step, tokenizer, scheduler, state)
+    return _publish(output_dir, step, partial, total_limit)
+
+
+def _publish(output_dir: Path, step: int, partial: Path, total_limit: int | None) -> Path:
+    """fsyncs the partial folder's files and renames it into place; then drops checkpoints past total_limit."""
+    final = output_dir / f"checkpoint-{step}"
+    for path in [*partial.rglob("*"), partial]:
         _fsync(path)
     if final.exists():
         shutil.rmtree(final)  # the same step saved again (only by a resumed run that had not moved on)
@@ -76,6 +102,72 @@ def save(output_dir: Path, step: int, model, tokenizer, optimizer, scheduler, st
             if old != final:  # a newer, damaged checkpoint that a resume skipped never pushes out the one just saved
                 shutil.rmtree(old)
     return final
+
+
+def _dcp_options(model, full: bool = False):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())  # LoRA: the base comes from the model's files
+    return StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=frozen, strict=not frozen)
+
+
+def save_sharded(output_dir: Path, step: int, world, model, tokenizer, optimizer, scheduler, state: dict,
+                 total_limit: int | None, export: bool) -> Path:
+    """A collective: every rank writes its shards; rank 0 the rest, then renames the folder into place once all
+    ranks have written. With `export`, rank 0 also writes the whole model with save_pretrained (gathered from the
+    shards, in CPU memory)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    from fastgrpo.models import find_hf_model
+
+    partial = world.broadcast(_partial(output_dir, step) if world.is_main else None)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_dcp_options(model))
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial / SHARDED)
+    full = get_model_state_dict(model, options=_dcp_options(model, full=True)) if export else None
+    final = None
+    if world.is_main:
+        if export:
+            model.save_pretrained(partial, state_dict=full, safe_serialization=True)
+        find_hf_model(model).config.save_pretrained(partial)
+        _write_state(partial, step, tokenizer, scheduler, state)
+    world.barrier()  # every rank's shards are on disk
+    if world.is_main:
+        final = _publish(output_dir, step, partial, total_limit)
+    return world.broadcast(final)
+
+
+def is_sharded(checkpoint: Path) -> bool:
+    return (checkpoint / SHARDED).is_dir()
+
+
+def load_sharded(checkpoint: Path, model, optimizer) -> None:
+    """A sharded checkpoint's model and optimizer into `model` (plain, DDP's or FSDP2-sharded; any number of
+    processes, one included) and `optimizer`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    options = _dcp_options(model)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    try:
+        dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint / SHARDED)
+    except Exception as e:
+        raise CheckpointError(f"resume: {checkpoint / SHARDED} cannot be loaded ({_reason(e)}); resume with the "
+                              "options the run was written with, or start afresh with --overwrite-output-dir") from e
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options)
+
+
+def load_full_optimizer(checkpoint: Path, model, optimizer) -> None:
+    """One process's optimizer.pt (its states by parameter position) into an optimizer over FSDP2-sharded
+    parameters: the states keyed by parameter name, then sharded by set_optimizer_state_dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    saved = _load(checkpoint / "optimizer.pt")
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    by_name = lambda ids: [names[i] for i in ids]
+    state = {"state": {names[i]: value for i, value in saved["state"].items()},
+             "param_groups": [{**group, "params": by_name(group["params"])} for group in saved["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
 def checkpoints(output_dir: Path) -> list[Path]:
@@ -114,10 +206,13 @@ def verify(checkpoint: Path) -> int:
     """The checkpoint's step, once its files are found whole: the state files and some safetensors weights are
     there, every .json parses, every .safetensors is as long as its header says, every .pt is a complete zip archive
     (torch.save's format; a cut write loses the archive's directory at its end). Reads headers, not the weights."""
-    for name in STATE_FILES:
+    sharded = is_sharded(checkpoint)
+    for name in SHARDED_STATE_FILES if sharded else STATE_FILES:
         if not (checkpoint / name).is_file():
             raise CheckpointError(f"{checkpoint / name} is missing")
-    if not any(checkpoint.glob("*.safetensors")):
+    if sharded and not any((checkpoint / SHARDED).glob("*.distcp")):
+        raise CheckpointError(f"{checkpoint / SHARDED} holds no shards (*.distcp)")
+    if not sharded and not any(checkpoint.glob("*.safetensors")):
         raise CheckpointError(f"{checkpoint} holds no model weights (model.safetensors)")
     for path in sorted(checkpoint.iterdir()):
         try:
@@ -152,19 +247,32 @@ def _check_safetensors(path: Path) -> None:
 
 
 def load_state(checkpoint: Path, optimizer, scheduler) -> dict:
-    loads = {"optimizer.pt": optimizer.load_state_dict, "scheduler.pt": scheduler.load_state_dict,
-             "rng_state.pt": set_rng_state}
+    """The schedule, RNG and trainer state (and, given an optimizer, optimizer.pt) of a checkpoint."""
+    loads = {"scheduler.pt": scheduler.load_state_dict, "rng_state.pt": set_rng_state}
+    if optimizer is not None:
+        loads["optimizer.pt"] = optimizer.load_state_dict
     for name, load in loads.items():
+        saved = _load(checkpoint / name)
         try:
-            load(torch.load(checkpoint / name, weights_only=True))  # tensors and plain containers: no pickled code
-        except pickle.UnpicklingError as e:
-            raise CheckpointError(f"resume: {checkpoint / name} holds pickled objects, which fastgrpo never loads "
-                                  f"({_reason(e)}); it is not a file fastgrpo wrote") from e
+            load(saved)
         except Exception as e:
-            raise CheckpointError(f"resume: {checkpoint / name} cannot be loaded ({_reason(e)}); resume with "
-                                  "the options the run was written with, or start afresh with --overwrite-output-dir"
-                                  ) from e
+            raise _not_loadable(checkpoint / name, e) from e
     return json.loads((checkpoint / TRAINER_STATE).read_text())
+
+
+def _load(path: Path):
+    try:
+        return torch.load(path, weights_only=True)  # tensors and plain containers: no pickled code
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"resume: {path} holds pickled objects, which fastgrpo never loads ({_reason(e)}); it "
+                              "is not a file fastgrpo wrote") from e
+    except Exception as e:
+        raise _not_loadable(path, e) from e
+
+
+def _not_loadable(path: Path, error: Exception) -> CheckpointError:
+    return CheckpointError(f"resume: {path} cannot be loaded ({_reason(error)}); resume with the options the run was "
+                           "written with, or start afresh with --overwrite-output-dir")
 
 
 def _reason(error: Exception) -> str:

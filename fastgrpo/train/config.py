@@ -134,6 +134,12 @@ class TrainConfig:
               "per_device_train_batch_size * steps_per_generation completions")
     max_steps: int = option(100, "generation rounds to train for")
     seed: int = option(42, "seed of the data order, the initial weights of adapters and the sampling")
+    # -- several processes (torchrun) --
+    parallelism: str | None = option(
+        None, "with several processes: fsdp (FSDP2: parameters, gradients and optimizer states sharded per decoder "
+              "layer) or ddp (a whole model per process); default fsdp; ignored in one process",
+        choices=("fsdp", "ddp"))
+    ddp_timeout: int = option(1800, "seconds any collective of several processes may wait before it fails")
     # -- evaluation, checkpoints, logs --
     output_dir: str | None = option(None, "where the run goes (config, metrics.jsonl, checkpoints, plots); "
                                           "default runs/<date-time>")
@@ -152,7 +158,7 @@ class TrainConfig:
         _check_types(self)
         positive = ("num_generations", "max_completion_length", "block_size", "num_iterations",
                     "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "eval_num_samples",
-                    "lora_r", "lora_alpha")
+                    "lora_r", "lora_alpha", "ddp_timeout")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
@@ -180,7 +186,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            if choices and getattr(self, f.name) not in choices and getattr(self, f.name) is not None:
                 raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
         if self.model_name_or_path is None:
             raise ValueError(f"model_name_or_path is required (a hub id, a local path or '{BUILTIN}')")

@@ -49,13 +49,17 @@ class MetricsLog:
     On resume the file is cut back to the checkpoint's step first, so it reads as one uninterrupted run.
     """
 
-    def __init__(self, output_dir: Path, report_to: list[str], config: dict, resume_step: int | None):
+    def __init__(self, output_dir: Path, report_to: list[str], config: dict, resume_step: int | None,
+                 write: bool = True):
         self.path = Path(output_dir) / METRICS_FILE
         self.history = read_metrics(output_dir, resume_step) if resume_step is not None else []
+        self.write = write  # False on all ranks but the first of several processes: history only
+        self.tensorboard = self.wandb = None
+        if not write:
+            return
         partial = self.path.with_suffix(".partial")
         partial.write_text("".join(map(_json_line, self.history)))
         partial.replace(self.path)
-        self.tensorboard = self.wandb = None
         if "tensorboard" in report_to:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -74,6 +78,8 @@ class MetricsLog:
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.history.append(row)
+        if not self.write:
+            return
         with self.path.open("a") as f:
             f.write(_json_line(row))
         for key, value in row.items():

@@ -9,7 +9,8 @@ from huggingface_hub import constants as hub_constants
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from fastgrpo.loss import head_transform
+from fastgrpo.loss import fused_grpo_loss, head_transform, token_logprobs
+from fastgrpo.loss_config import LossConfig
 from fastgrpo.models import find_hf_model
 from fastgrpo.sampling.engine import context_window
 from fastgrpo.train.config import BUILTIN, TrainConfig, is_local_path
@@ -250,3 +251,28 @@ def completion_hidden(model: torch.nn.Module, sequences: list[list[int]], prompt
 def lm_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     head = find_hf_model(model).get_output_embeddings()
     return head.weight, getattr(head, "bias", None)
+
+
+class PolicyLoss(torch.nn.Module):
+    """One micro-batch through the model: the backbone, then from the lm_head either the fused GRPO loss (with a
+    LossConfig) or the completion tokens' logprobs (without). Under FSDP2 this module is the root: the embeddings,
+    final norm and lm_head (tied or not) are whole inside its forward, so the fused head reads the full weight and FSDP
+    reduce-scatters its gradient like any other; under DDP it is the module DDP wraps."""
+
+    def __init__(self, model: torch.nn.Module, packed: bool, head: dict):
+        super().__init__()
+        self.model = model
+        self.packed = packed
+        self.head = head  # the model's logit transform {logit_scale, logit_softcap} (check_head)
+
+    def forward(self, mb, config: LossConfig | None = None, num_items_in_batch: float | None = None,
+                temperature: float = 1.0):
+        hidden = completion_hidden(self.model, mb.sequences, mb.prompt_lengths, mb.mask.shape[1],
+                                   self.packed)  # [b, T, H]
+        weight, bias = lm_head(self.model)
+        if config is None:
+            return token_logprobs(hidden, weight, mb.completion_ids, bias=bias, temperature=temperature,
+                                  **self.head)[0]  # [b, T]
+        return fused_grpo_loss(hidden, weight, mb.completion_ids, mb.mask, mb.advantages, bias=bias,
+                               old_logps=mb.old_logps, ref_logps=mb.ref_logps, config=config,
+                               importance_weights=mb.importance_weights, num_items_in_batch=num_items_in_batch)

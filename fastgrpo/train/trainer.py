@@ -12,6 +12,10 @@ Each step is one generation round:
                hidden states -> fastgrpo.loss.fused_grpo_loss -> backward; then clip, AdamW, LR schedule
   5. log, evaluate (pass@1 on held-out prompts), checkpoint
 
+Under torchrun every rank runs this loop on the same data order and seeds (fastgrpo.train.distributed): it samples
+and scores its slice of the round's prompt groups, the rollout is gathered, and each global micro-batch of
+K * per_device_train_batch_size samples is cut into K shares whose summed gradients are one process's.
+
 Loss normalisation across micro-batches follows TRL 1.16: the per-micro-batch loss is divided by
 gradient_accumulation_steps, except dapo/cispo, which divide by the loss tokens of an average optimizer step. The
 entropy bonus (entropy_coef) is each micro-batch's mean token entropy divided by gradient_accumulation_steps, for every
@@ -27,15 +31,16 @@ import zlib
 from collections import defaultdict
 from pathlib import Path
 
+from contextlib import nullcontext
+
 import torch
 from transformers import get_scheduler
 
-from fastgrpo.loss import fused_grpo_loss, token_logprobs
 from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES, LossConfig
 from fastgrpo.memory import peak_memory, reset_peak_memory
 from fastgrpo.models import find_hf_model, stop_token_ids
 from fastgrpo.sampling import Engine, SamplingParams
-from fastgrpo.train import checkpoint, run_dir
+from fastgrpo.train import checkpoint, distributed, run_dir
 from fastgrpo.train.config import TrainConfig
 from fastgrpo.train.data import PromptOrder, eval_subset, load_rows, prepare
 from fastgrpo.train.logs import (
@@ -49,15 +54,7 @@ from fastgrpo.train.logs import (
     reward_metrics,
     summary_line,
 )
-from fastgrpo.train.model import (
-    PACKED_ATTENTION,
-    check_head,
-    completion_hidden,
-    lm_head,
-    load_policy,
-    load_reference,
-    load_tokenizer,
-)
+from fastgrpo.train.model import PACKED_ATTENTION, PolicyLoss, check_head, load_policy, load_reference, load_tokenizer
 from fastgrpo.train.rewards import Rewards, accuracy
 from fastgrpo.train.rollout import Rollout, group_advantages, micro_batch, micro_batches, sampler_importance_weights
 from fastgrpo.train.run_dir import RunDir
@@ -89,16 +86,25 @@ def _output_dir(config: TrainConfig) -> Path:
 class Trainer:
     def __init__(self, config: TrainConfig, device: str | torch.device | None = None):
         self.config = config
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.output_dir = _output_dir(config)
+        self.world = distributed.current(config.ddp_timeout)
+        self.device = torch.device(device) if device is not None else distributed.device(self.world)
+        self.parallelism = (config.parallelism or "fsdp") if self.world.size > 1 else None
+        self.output_dir = self.world.broadcast(_output_dir(config))  # the default's date-time: rank 0's
         self.folder = RunDir(self.output_dir)
-        resume_from, replaced = self._claim_output_dir()
         try:
-            self._load(resume_from)
-            run_dir.delete(replaced)  # the old run goes only now that the new one has its model and data
+            claimed = None
+            with self.world.together("checking the output folder"):
+                if self.world.is_main:  # one process checks and locks the folder
+                    claimed = self._claim_output_dir()
+            resume_from, replaced = self.world.broadcast(claimed)
+            with self.world.together("loading"):
+                self._load(resume_from)
+            if self.world.is_main:
+                run_dir.delete(replaced)  # the old run goes only now that the new one has its model and data
             self.log = MetricsLog(self.output_dir, config.report_to, config.to_dict(),
-                                  self.step if resume_from is not None else None)
-            config.save_yaml(self.output_dir / "config.yaml")
+                                  self.step if resume_from is not None else None, write=self.world.is_main)
+            if self.world.is_main:
+                config.save_yaml(self.output_dir / "config.yaml")
         except BaseException:
             self.folder.release(remove_new=True)
             raise
@@ -125,10 +131,11 @@ class Trainer:
         return resume_from, replaced
 
     def _load(self, resume_from: Path | None) -> None:
-        """Tokenizer, prompts, rewards, policy (a checkpoint's weights on resume), reference, engine, optimizer and
-        schedule, and on resume the optimizer, schedule, RNG and data position."""
+        """Tokenizer, prompts, rewards, policy (a checkpoint's weights on resume), reference, engine, the policy
+        sharded or replicated over the processes, optimizer and schedule, and on resume the optimizer, schedule, RNG
+        and data position."""
         config = self.config
-        torch.manual_seed(config.seed)  # LoRA's initial weights
+        torch.manual_seed(config.seed)  # LoRA's initial weights (the same on every rank)
         self.tokenizer = load_tokenizer(config)
         self.train_prompts = prepare(load_rows(config, "train"), self.tokenizer, config, "train")
         eval_rows = load_rows(config, "test") if config.answer_column is not None else None
@@ -136,14 +143,19 @@ class Trainer:
             prepare(eval_rows, self.tokenizer, config, "held-out"), config.eval_num_samples)
         self.rewards = Rewards(config.reward_funcs, config.reward_weights, config.max_completion_length)
 
-        self.model = load_policy(config, self.device, resume_from)
+        sharded = resume_from is not None and checkpoint.is_sharded(resume_from)
+        self.model = load_policy(config, self.device, None if sharded else resume_from)
         self.ref_model = load_reference(config, self.device)
         self.packed = find_hf_model(self.model).config._attn_implementation in PACKED_ATTENTION
-        self.engine = Engine(self.model, tokenizer=self.tokenizer, block_size=config.block_size,
-                             memory_fraction=config.sampling_memory_fraction)
         self.stop_token_ids = stop_token_ids(self.model, self.tokenizer)
         self.head = check_head(find_hf_model(self.model))  # {logit_scale, logit_softcap}
         self.loss_config = loss_config(config, self.head)
+        # The modules whose forward runs a micro-batch: the root that FSDP shards, or the module DDP wraps.
+        self.policy = PolicyLoss(self.model, self.packed, self.head)
+        self.reference = None if self.ref_model is None else PolicyLoss(self.ref_model, self.packed, self.head)
+        self.train_module = self._parallelize()
+        self.engine = Engine(self.model, tokenizer=self.tokenizer, block_size=config.block_size,
+                             memory_fraction=config.sampling_memory_fraction)
 
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.parameters, lr=config.learning_rate, weight_decay=config.weight_decay,
@@ -158,10 +170,30 @@ class Trainer:
         self.order = PromptOrder(len(self.train_prompts.rows), config.seed)
         self.step, self.num_tokens, self.seconds, self.initial_accuracy = 0, 0, 0.0, None
         if resume_from is not None:
-            state = checkpoint.load_state(resume_from, self.optimizer, self.scheduler)
+            if sharded:
+                checkpoint.load_sharded(resume_from, self.model, self.optimizer)
+            elif self.parallelism == "fsdp":
+                checkpoint.load_full_optimizer(resume_from, self.model, self.optimizer)
+            state = checkpoint.load_state(resume_from, None if sharded or self.parallelism == "fsdp"
+                                          else self.optimizer, self.scheduler)
             self.step, self.num_tokens, self.seconds = state["step"], state["num_tokens"], state["seconds"]
             self.initial_accuracy = state["initial_accuracy"]
             self.order.load_state_dict(state["data"])
+
+    def _parallelize(self) -> torch.nn.Module:
+        """The module the update calls: the policy itself (one process), wrapped by DDP, or sharded by FSDP2 (the
+        reference too, so no rank holds a whole copy of it)."""
+        if self.parallelism is None:
+            return self.policy
+        if self.parallelism == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            return DistributedDataParallel(self.policy, device_ids=ids)
+        reduce_dtype = torch.float32 if self.device.type == "cuda" else None
+        if self.reference is not None:
+            distributed.fully_shard(self.reference, self.ref_model, reduce_dtype)
+        return distributed.fully_shard(self.policy, self.model, reduce_dtype)
 
     def _seed(self, *key) -> int:
         """A seed per (run seed, step, purpose): sampling and shuffles do not depend on what ran before."""
@@ -186,7 +218,8 @@ class Trainer:
             self.initial_accuracy = self.evaluate()
             self.log.log(0, {"eval/accuracy": self.initial_accuracy})
         final_accuracy = self.initial_accuracy
-        with Progress(config, self.step) as progress:
+        quiet = dataclasses.replace(config, disable_tqdm=True) if not self.world.is_main else config
+        with Progress(quiet, self.step) as progress:
             while self.step < config.max_steps:
                 self.step += 1
                 start = time.perf_counter()
@@ -202,35 +235,47 @@ class Trainer:
         if self.log.history and self.log.history[-1].get("eval/accuracy") is not None:
             final_accuracy = self.log.history[-1]["eval/accuracy"]
         self.log.close()
-        plot_path = plot(self.log.history, self.output_dir / PLOT_FILE)
+        plot_path = self.output_dir / PLOT_FILE
+        if self.world.is_main:
+            plot(self.log.history, plot_path)
         summary = {"initial_accuracy": self.initial_accuracy, "final_accuracy": final_accuracy, "steps": self.step,
                    "seconds": self.seconds, "output_dir": str(self.output_dir), "plot": str(plot_path),
                    "eval_prompts": 0 if self.eval_prompts is None else len(self.eval_prompts.rows)}
-        print(summary_line(summary, config))
+        if self.world.is_main:
+            print(summary_line(summary, config))
         return summary
+
+    def _generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list:
+        """This rank's slice of the prompt groups, sampled with each group's own random stream (its index in
+        `prompts`), so that the round is the same for any number of processes: [groups of this rank][n]."""
+        share = self.world.share(len(prompts))
+        if not share:
+            return []
+        with distributed.unsharded(self.policy):
+            return self.engine.generate([prompts[i] for i in share], n=n, params=params, group_ids=list(share))
 
     def train_step(self) -> dict:
         config, G = self.config, self.config.num_generations
         reset_peak_memory(self.device)
         timer = Timer()
 
-        # 1. sample
-        picked = self.order.next(config.prompts_per_step)
+        # 1. sample (this rank's prompt groups) and 2. score them; then every rank gets the whole round
+        picked = self.order.next(config.prompts_per_step * self.world.size)
         params = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                                 max_new_tokens=config.max_completion_length, stop_token_ids=self.stop_token_ids,
                                 seed=self._seed("sample"))
-        outputs = self.engine.generate([self.train_prompts.token_ids[i] for i in picked], n=G, params=params)
-        completions = [c for group in outputs for c in group]  # [P*G], prompt-major
-        timer.lap("sampling")
+        with self.world.together("sampling and rewards"):
+            outputs = self._generate([self.train_prompts.token_ids[i] for i in picked], G, params)
+            timer.lap("sampling")
+            local = self._score([picked[i] for i in self.world.share(len(picked))], outputs) if outputs else None
+        parts = [part for part in self.world.gather(local and (outputs, *local, self.engine.stats.num_preemptions))
+                 if part is not None]
+        completions = [c for part in parts for group in part[0] for c in group]  # [P*G], prompt-major
+        per_func, rewards = (torch.cat([part[k] for part in parts]) for k in (1, 2))
+        timer.lap("rewards")
 
-        # 2. score
         samples = [i for i in picked for _ in range(G)]  # [P*G] prompt index per completion
         completion_ids = [c.token_ids for c in completions]
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        columns = {k: [self.train_prompts.rows[i][k] for i in samples] for k in self.train_prompts.rows[0]
-                   if k not in RESERVED_REWARD_ARGS and k != config.prompt_column}
-        per_func, rewards = self.rewards([self.train_prompts.texts[i] for i in samples], texts, completion_ids,
-                                         columns)
         advantages, std, flat = group_advantages(rewards, G, config.scale_rewards)
         truncated = torch.tensor([c.finish_reason == "length" for c in completions])
         drop = config.mask_truncated_completions
@@ -240,14 +285,13 @@ class Trainer:
             truncated=truncated, advantages=advantages,
             loss_mask=[[0 if drop and cut[i] else 1] * len(ids) for i, ids in enumerate(completion_ids)],
         )  # fmt: skip
-        timer.lap("rewards")
 
         # 3. no-grad logprobs
         if config.beta != 0:
             rollout.ref_logps = self._reference_logprobs(rollout)
         correct = config.importance_sampling_correction
         if correct or config.num_iterations > 1 or config.steps_per_generation > config.gradient_accumulation_steps:
-            rollout.old_logps = self._logprobs(self.model, rollout)
+            rollout.old_logps = self._logprobs(self.policy, rollout)
         sampling_metrics = {}
         if correct:
             rollout.sampling_logps = [torch.tensor(c.logprobs, dtype=torch.float32) for c in completions]
@@ -269,74 +313,111 @@ class Trainer:
             **sampling_metrics,
             "num_tokens": self.num_tokens,
             "learning_rate": self.scheduler.get_last_lr()[0],
-            "sampling/preemptions": self.engine.stats.num_preemptions,
+            "sampling/preemptions": sum(part[3] for part in parts),
             **timer.metrics(),
             "tokens_per_second": float(lengths.sum()) / timer.total,
             "peak_memory_gib": peak_memory(self.device) / 2**30,
         }
 
+    def _score(self, prompts: list[int], outputs: list[list]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rewards of the completions `outputs` of the train prompts `prompts` (indices): (per function
+        [n, F], weighted total [n])."""
+        G = self.config.num_generations
+        samples = [i for i in prompts for _ in range(G)]
+        completion_ids = [c.token_ids for group in outputs for c in group]
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        columns = {k: [self.train_prompts.rows[i][k] for i in samples] for k in self.train_prompts.rows[0]
+                   if k not in RESERVED_REWARD_ARGS and k != self.config.prompt_column}
+        return self.rewards([self.train_prompts.texts[i] for i in samples], texts, completion_ids, columns)
+
     def _update(self, rollout: Rollout) -> dict:
-        config = self.config
-        self.model.train()
-        weight, bias = lm_head(self.model)
+        """num_iterations passes over the round. Each global micro-batch (per_device_train_batch_size * K samples
+        of the plan one process would make) is cut into K shares; rank r trains on share r with the loss scaled so
+        that the gradients, averaged over ranks by DDP / FSDP, are those of the whole micro-batch."""
+        config, world = self.config, self.world
+        self.train_module.train()
+        size = config.per_device_train_batch_size
         lengths = [len(p) + len(c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids, strict=True)]
+        tokens = [sum(m) for m in rollout.loss_mask]  # loss tokens per sample
         # TRL's dapo/cispo normaliser: the loss tokens of the round, spread over its optimizer steps.
-        num_items = sum(map(sum, rollout.loss_mask)) * config.gradient_accumulation_steps / config.steps_per_generation
-        metrics, losses, grad_norms = defaultdict(list), [], []
+        num_items = sum(tokens) * config.gradient_accumulation_steps / config.steps_per_generation
+        token_normalised = config.loss_type in TOKEN_NORMALISED_LOSS_TYPES
+        metrics, weights, losses, grad_norms = defaultdict(list), [], [], []
         for iteration in range(config.num_iterations):
             shuffle = torch.Generator().manual_seed(self._seed("shuffle", iteration))
-            for step_batches in micro_batches(lengths, config.per_device_train_batch_size,
-                                              config.gradient_accumulation_steps, shuffle):
+            for step_batches in micro_batches(lengths, size * world.size, config.gradient_accumulation_steps,
+                                              shuffle):
                 step_loss = 0.0
-                for index in step_batches:
+                for j, whole in enumerate(step_batches):
+                    index = whole[world.rank * size : (world.rank + 1) * size]
                     mb = micro_batch(rollout, index, self.device)
-                    hidden = completion_hidden(self.model, mb.sequences, mb.prompt_lengths, mb.mask.shape[1],
-                                               self.packed)  # [b, T, H]
-                    loss, micro_metrics = fused_grpo_loss(
-                        hidden, weight, mb.completion_ids, mb.mask, mb.advantages, bias=bias, old_logps=mb.old_logps,
-                        ref_logps=mb.ref_logps, config=self.loss_config, importance_weights=mb.importance_weights,
-                        num_items_in_batch=num_items if config.loss_type in TOKEN_NORMALISED_LOSS_TYPES else None,
-                    )  # fmt: skip
-                    if self.loss_config.entropy_coef != 0.0:  # TRL's policy_loss: the loss before the bonus
-                        micro_metrics["policy_loss"] = loss + self.loss_config.entropy_coef * micro_metrics["entropy"]
-                    if config.loss_type not in TOKEN_NORMALISED_LOSS_TYPES:
-                        loss = loss / config.gradient_accumulation_steps
-                    loss.backward()
-                    step_loss = step_loss + loss.detach()
+                    scale, options = self._share_scale(whole, index, tokens)
+                    last = j == len(step_batches) - 1
+                    with nullcontext() if last or self.parallelism != "ddp" else self.train_module.no_sync():
+                        loss, micro_metrics = self.train_module(
+                            mb, options, num_items if token_normalised else None)
+                        if options.entropy_coef != 0.0:  # TRL's policy_loss: the loss before the bonus
+                            micro_metrics["policy_loss"] = (loss + options.entropy_coef * micro_metrics["entropy"]
+                                                            ) * (scale / world.size)
+                        if not token_normalised:
+                            loss = loss / config.gradient_accumulation_steps
+                        (loss * scale).backward()
+                    step_loss = step_loss + loss.detach() * (scale / world.size)
                     for key, value in micro_metrics.items():
                         metrics[key].append(value.detach())
+                    weights.append((sum(tokens[i] for i in index), len(index)))
                 max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm))
+                grad_norms.append(distributed.full_tensor(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)))
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 losses.append(step_loss)
-        # One device sync for all the metrics of the round.
-        metrics = {"loss": losses, "grad_norm": grad_norms, **metrics}
-        return {key: nanmean(torch.stack(values).tolist()) for key, values in metrics.items()}
+        # One device sync (and with several processes one exchange) for all the metrics of the round.
+        local = {"loss": torch.stack(losses).tolist(), "grad_norm": torch.stack(grad_norms).tolist(),
+                 **{key: torch.stack(values).tolist() for key, values in metrics.items()}}
+        merged = merge_metrics(world.gather((local, weights)), config.importance_sampling_level == "sequence")
+        return {key: nanmean(values) for key, values in merged.items()}
+
+    def _share_scale(self, whole: list[int], index: list[int], tokens: list[int]) -> tuple[float, LossConfig]:
+        """(the factor on this rank's share of a global micro-batch, its loss options) such that the gradients,
+        averaged over K ranks, are those of one process's loss on the whole micro-batch. Normalisers that are a mean
+        over the micro-batch's sequences (grpo, sapo, luspo, dr_grpo) are the same on equal shares: factor 1. A
+        normaliser over the whole round's tokens (dapo, cispo) is a sum over shares: factor K. bnpo's and the entropy
+        bonus's mean over the micro-batch's tokens: factor K * (share's tokens) / (micro-batch's tokens)."""
+        K = self.world.size
+        if K == 1:
+            return 1.0, self.loss_config
+        config = self.loss_config
+        share = K * sum(tokens[i] for i in index) / max(sum(tokens[i] for i in whole), 1)
+        scale = {"bnpo": share, "dapo": K, "cispo": K}.get(config.loss_type, 1.0)
+        if config.entropy_coef != 0.0 and scale != 0.0 and share != scale:
+            config = dataclasses.replace(config, entropy_coef=config.entropy_coef * share / scale)
+        return float(scale), config
 
     @torch.no_grad()
-    def _logprobs(self, model: torch.nn.Module, rollout: Rollout) -> list[torch.Tensor]:
-        """Per sample [T_i] fp32 logprobs of its completion under `model` (eval mode, no grad)."""
-        was_training = model.training
-        model.eval()
-        weight, bias = lm_head(model)
-        out = []
-        size = self.config.per_device_train_batch_size
-        for start in range(0, len(rollout), size):
+    def _logprobs(self, module: torch.nn.Module, rollout: Rollout) -> list[torch.Tensor]:
+        """Per sample [T_i] fp32 logprobs of its completion under `module` (a PolicyLoss; eval mode, no grad).
+        Chunks of per_device_train_batch_size samples are dealt to the ranks in turn, then gathered."""
+        was_training = module.training
+        module.eval()
+        size, K = self.config.per_device_train_batch_size, self.world.size
+        starts = range(self.world.rank * size, len(rollout), size * K)
+        out = {}
+        for start in starts:
             mb = micro_batch(rollout, list(range(start, min(start + size, len(rollout)))), self.device)
-            hidden = completion_hidden(model, mb.sequences, mb.prompt_lengths, mb.mask.shape[1], self.packed)
-            logps, _ = token_logprobs(hidden, weight, mb.completion_ids, bias=bias,
-                                      temperature=self.config.temperature, **self.head)  # [b, T]
-            out += [row[: len(rollout.completion_ids[i])].float().cpu() for row, i in zip(logps, mb.index, strict=True)]
-        model.train(was_training)
-        return out
+            logps = module(mb, temperature=self.config.temperature)  # [b, T]
+            out |= {i: row[: len(rollout.completion_ids[i])].float().cpu() for row, i in zip(logps, mb.index,
+                                                                                                 strict=True)}
+        module.train(was_training)
+        for part in self.world.gather(out) if K > 1 else ():
+            out |= part
+        return [out[i] for i in range(len(rollout))]
 
     def _reference_logprobs(self, rollout: Rollout) -> list[torch.Tensor]:
-        if self.ref_model is not None:
-            return self._logprobs(self.ref_model, rollout)
+        if self.reference is not None:
+            return self._logprobs(self.reference, rollout)
         with self.model.disable_adapter():  # LoRA: the base model is the reference
-            return self._logprobs(self.model, rollout)
+            return self._logprobs(self.policy, rollout)
 
     def evaluate(self) -> float | None:
         """pass@1 on the held-out subset: share of prompts whose one completion the accuracy reward scores 1."""
@@ -346,13 +427,49 @@ class Trainer:
         params = SamplingParams(temperature=config.eval_temperature, top_p=config.top_p, top_k=config.top_k,
                                 max_new_tokens=config.max_completion_length, stop_token_ids=self.stop_token_ids,
                                 seed=seed_for("eval", config.seed))
-        outputs = self.engine.generate(self.eval_prompts.token_ids, n=1, params=params)
-        texts = self.tokenizer.batch_decode([group[0].token_ids for group in outputs], skip_special_tokens=True)
-        answers = [row[config.answer_column] for row in self.eval_prompts.rows]
-        return sum(accuracy(self.eval_prompts.texts, texts, answers)) / len(texts)
+        with self.world.together("evaluation"):
+            outputs = self._generate(self.eval_prompts.token_ids, 1, params)
+            share = self.world.share(len(self.eval_prompts.rows))
+            texts = self.tokenizer.batch_decode([group[0].token_ids for group in outputs], skip_special_tokens=True)
+            answers = [self.eval_prompts.rows[i][config.answer_column] for i in share]
+            correct = sum(accuracy([self.eval_prompts.texts[i] for i in share], texts, answers)) if texts else 0.0
+        return sum(self.world.gather(correct)) / len(self.eval_prompts.rows)
 
     def save(self) -> Path:
         state = {"num_tokens": self.num_tokens, "seconds": self.seconds, "initial_accuracy": self.initial_accuracy,
                  "data": self.order.state_dict()}
+        if self.world.size > 1:
+            return checkpoint.save_sharded(self.output_dir, self.step, self.world, self.model, self.tokenizer,
+                                           self.optimizer, self.scheduler, state, self.config.save_total_limit,
+                                           export=self.step == self.config.max_steps)
         return checkpoint.save(self.output_dir, self.step, self.model, self.tokenizer, self.optimizer,
                                self.scheduler, state, self.config.save_total_limit)
+
+
+# Metrics of a micro-batch that are not a mean over its loss tokens: how the shares of a global micro-batch combine.
+SUMMED = ("loss", "policy_loss", "grad_norm")  # already scaled per share (grad_norm: the same on every rank)
+SEQUENCE_LEVEL = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")
+
+
+def merge_metrics(parts: list[tuple[dict, list]], sequence_level: bool) -> dict[str, list[float]]:
+    """Per rank (its metrics per micro-batch, (loss tokens, samples) per micro-batch) -> per global micro-batch the
+    value one process would log for it: loss terms summed over shares, minima and maxima over shares, means over
+    tokens (over samples for sequence-level ratios) weighted by the shares' counts. One rank: its own values."""
+    if len(parts) == 1:
+        return parts[0][0]
+    merged = {}
+    for key in parts[0][0]:
+        columns = list(zip(*(values[key] for values, _ in parts), strict=True))  # per micro-batch, per rank
+        if key == "grad_norm":
+            merged[key] = [column[0] for column in columns]
+        elif key in SUMMED:
+            merged[key] = [sum(column) for column in columns]
+        elif key.endswith(("_min", "/min", "_max", "/max")):
+            pick = min if key.endswith(("_min", "/min")) else max
+            merged[key] = [pick((v for v in column if not math.isnan(v)), default=math.nan) for column in columns]
+        else:
+            k = 1 if sequence_level and key in SEQUENCE_LEVEL else 0
+            counts = list(zip(*(weights for _, weights in parts), strict=True))  # per micro-batch, per rank
+            merged[key] = [sum(v * w[k] for v, w in zip(column, count, strict=True) if w[k]) /
+                           max(sum(w[k] for w in count), 1) for column, count in zip(columns, counts, strict=True)]
+    return merged

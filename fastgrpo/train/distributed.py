@@ -1,0 +1,179 @@
+"""Several processes on torch.distributed: one per GPU (NCCL), or per CPU process (gloo), started by torchrun.
+
+    torchrun --nproc-per-node K -m fastgrpo train ...
+
+Every rank holds the same prompts, data order, schedule and seeds. A round's prompt groups are dealt to ranks in
+contiguous slices; each rank samples its slice with its own engine (random stream per prompt group, not per process)
+and scores it; the rollout is then gathered, so every rank computes the same advantages, normalisers and micro-batch
+plan as one process would. Each global micro-batch of K * per_device_train_batch_size samples is cut into K equal
+shares, one per rank; the gradients, summed over ranks, are those of one process training on the whole micro-batch.
+
+Parallelism:
+    fsdp    FSDP2 (`fully_shard`) per decoder layer plus the root: parameters, gradients and AdamW states sharded;
+            gradients reduce-scattered in fp32. The fused loss runs inside the root's forward (`PolicyLoss`), where
+            the lm_head (tied or not) is whole, so its gradient is reduce-scattered like any other.
+    ddp     DistributedDataParallel: every rank holds the whole model; gradients all-reduced.
+
+A rank that fails where ranks work apart (loading, sampling, rewards) reports its error to all at the next exchange
+(`together`), and every rank raises it. A rank that fails inside a collective leaves the others blocked until torchrun
+stops them (it ends all workers when one exits with an error) or the collective's timeout (ddp_timeout) runs out.
+"""
+
+import datetime
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+PARALLELISMS = ("fsdp", "ddp")
+
+
+class RankFailed(RuntimeError):
+    """Another rank failed; the message is its error."""
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def share(self, n: int) -> range:
+        """This rank's contiguous slice of n items (the first n % size ranks take one more)."""
+        base, extra = divmod(n, self.size)
+        start = self.rank * base + min(self.rank, extra)
+        return range(start, start + base + (self.rank < extra))
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order (picklable objects; one collective)."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+    @contextmanager
+    def together(self, what: str):
+        """Runs the block on every rank, then exchanges whether it failed: a rank that raised re-raises its own
+        error; every other rank raises RankFailed with the first failing rank's error. So no rank goes on into a
+        collective that a failed rank will never join."""
+        try:
+            yield
+        except Exception as error:
+            self._exchange(f"{type(error).__name__}: {error}")
+            raise
+        failed = self._exchange(None)
+        if failed:
+            rank, message = failed[0]
+            raise RankFailed(f"rank {rank} failed in {what}: {message}")
+
+    def _exchange(self, error: str | None) -> list[tuple[int, str]]:
+        return [(r, m) for r, m in enumerate(self.gather(error)) if m is not None]
+
+
+def current(timeout_seconds: float) -> World:
+    """This process's place: one process unless torchrun (or a launcher setting WORLD_SIZE, RANK, LOCAL_RANK,
+    MASTER_ADDR and MASTER_PORT) started several. The process group is created once per process, NCCL with one GPU per
+    rank or gloo on CPU; every collective gives up after `timeout_seconds`."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size == 1 and not dist.is_initialized():
+        return World()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
+    return World(dist.get_rank(), dist.get_world_size(), local_rank)
+
+
+def device(world: World) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", world.local_rank if world.size > 1 else torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# -- sharding --
+
+
+def block_classes(model: nn.Module) -> set[str]:
+    """The class names of the model's repeated blocks (transformers' `_no_split_modules`: decoder layers)."""
+    from fastgrpo.models import find_hf_model
+
+    names = set(getattr(find_hf_model(model), "_no_split_modules", None) or ())
+    if not names:
+        raise ValueError(f"parallelism=fsdp: {type(find_hf_model(model)).__name__} does not name its decoder layers "
+                         "(_no_split_modules), so fastgrpo cannot shard it per layer; use --parallelism ddp")
+    return names
+
+
+def fully_shard(root: nn.Module, model: nn.Module, reduce_dtype: torch.dtype | None) -> nn.Module:
+    """FSDP2 on every decoder layer of `model`, then on `root` (the module whose forward runs the whole step, and
+    that holds the embeddings, final norm and lm_head). Parameters stay in their dtype (bf16 on GPU); gradients are
+    reduce-scattered in `reduce_dtype`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as shard
+
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    names = block_classes(model)
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"parallelism=fsdp: no module of {type(model).__name__} is one of its decoder layers {names}")
+    for block in blocks:
+        shard(block, mp_policy=policy)
+    shard(root, mp_policy=policy)
+    return root
+
+
+def fsdp_modules(root: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in root.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def unsharded(root: nn.Module):
+    """Every parameter under the FSDP2 `root` whole on every rank for the block (sampling: each rank runs its own
+    number of forwards, so none may all-gather), resharded after. Costs one full copy of the weights per rank (in
+    their dtype) while it lasts; gradients and optimizer states stay sharded. A no-op for a module FSDP does not
+    manage."""
+    modules = fsdp_modules(root)
+    if not modules:
+        yield
+        return
+    # FSDP picks its root on the first forward; the sampler's forwards start below the root, so settle it here.
+    # (torch 2.13 has no public call for this.)
+    modules[0]._get_fsdp_state()._lazy_init()
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+            module.set_reshard_after_forward(module is not modules[0], recurse=False)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective); a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -11,13 +11,17 @@ import typing
 from pathlib import Path
 
 from fastgrpo.train.config import DEFAULT_RECIPE, TrainConfig, field_types
+from fastgrpo.train.distributed import RankFailed
 
 DESCRIPTION = """\
-Train a causal LM with GRPO on one device.
+Train a causal LM with GRPO on one device, or on several processes started by torchrun.
 
   fastgrpo train                                   the built-in arithmetic task on a tiny model (CPU: < 5 min)
   fastgrpo train --config recipes/gsm8k.yaml       a recipe; any option below overrides it
   fastgrpo train --output-dir runs/a --resume      continue a run from its newest checkpoint
+  torchrun --nproc-per-node 8 -m fastgrpo train --config recipes/gsm8k.yaml
+                                                   8 GPUs (FSDP2; --parallelism ddp for small models): each samples
+                                                   and trains on its share of the same global batch
 
 Without --config, and without --model-name-or-path, the built-in recipe (fastgrpo/train/default.yaml) is the base.
 With --resume and no --config, the run's own config.yaml is.
@@ -116,6 +120,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         except KeyboardInterrupt as stop:
             status = 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)  # the shell's codes
             parser.exit(status, stopped_message(trainer, stop))
+        except RankFailed as failed:  # another process's error, which that process prints with its traceback
+            parser.exit(1, f"fastgrpo train: error: {failed}\n")
+        finally:
+            _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _trainer(config: TrainConfig, parser: argparse.ArgumentParser):

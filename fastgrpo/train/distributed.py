@@ -32,7 +32,7 @@ PARALLELISMS = ("fsdp", "ddp")
 
 
 class RankFailed(RuntimeError):
-    """Another rank failed; the message is its error."""
+    """Another rank failed (the message is its error), or stopped answering."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,7 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    timeout: float = 0.0  # seconds a collective waits (ddp_timeout)
 
     @property
     def is_main(self) -> bool:
@@ -56,7 +57,8 @@ class World:
         if self.size == 1:
             return [obj]
         out = [None] * self.size
-        dist.all_gather_object(out, obj)
+        with self._collective():
+            dist.all_gather_object(out, obj)
         return out
 
     def broadcast(self, obj):
@@ -64,12 +66,26 @@ class World:
         if self.size == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        with self._collective():
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier()
+            with self._collective():
+                dist.barrier()
+
+    @contextmanager
+    def _collective(self):
+        """A collective that fails because another process hung or died says so in one line."""
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as error:
+            if "timed out" in str(error).lower() or "timeout" in str(error).lower():
+                raise RankFailed(f"rank {self.rank}: no answer from every process within ddp_timeout="
+                                 f"{self.timeout:g} s (another process hung or died)") from error
+            raise RankFailed(f"rank {self.rank}: lost another process ({' '.join(str(error).split())[:300]})"
+                             ) from error
 
     @contextmanager
     def together(self, what: str):
@@ -103,7 +119,7 @@ def current(timeout_seconds: float) -> World:
         if cuda:
             torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
-    return World(dist.get_rank(), dist.get_world_size(), local_rank)
+    return World(dist.get_rank(), dist.get_world_size(), local_rank, timeout_seconds)
 
 
 def device(world: World) -> torch.device:

@@ -1,0 +1,214 @@
+"""`fastgrpo train` on 2 processes (torchrun, gloo, CPU) against 1 process with the same global batch.
+
+A run must not depend on the number of processes: 2 processes at per_device_train_batch_size 4 log the same metrics
+and end with the same parameters as 1 process at 8, under FSDP2 and DDP, for dapo and grpo, with and without a
+reference model (beta), over two passes per round (num_iterations 2, so old logprobs too), and with LoRA. Resume works
+at the same and at another number of processes; a rank that fails ends every rank with its error.
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import test_train
+import torch
+from test_train import assert_same_metrics
+from transformers import AutoModelForCausalLM
+
+from fastgrpo.train import TrainConfig, Trainer, checkpoint
+from fastgrpo.train.distributed import World
+from fastgrpo.train.logs import read_metrics
+from fastgrpo.train.trainer import merge_metrics
+
+DRIVER = Path(__file__).parent / "distributed_driver.py"
+TOL = 1e-5  # metrics (relative, or absolute near 0) and parameters (of the largest entry)
+assets = test_train.assets  # a tiny random Qwen2 (untied head) and the arithmetic task's JSONL files
+
+
+@pytest.fixture(scope="module")
+def tied(assets, tmp_path_factory) -> dict:
+    """The same model with its lm_head tied to the embeddings (as Qwen2.5-0.5B / 1.5B): under FSDP2 the head's weight
+    is the root's sharded embedding table."""
+    folder = tmp_path_factory.mktemp("tied") / "model"
+    model = AutoModelForCausalLM.from_pretrained(assets["model"])
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(folder)
+    shutil.copy(Path(assets["model"]) / "tokenizer.json", folder)
+    shutil.copy(Path(assets["model"]) / "tokenizer_config.json", folder)
+    return {**assets, "model": str(folder)}
+
+
+def options(assets, output_dir: Path, **overrides) -> dict:
+    values = dict(model_name_or_path=assets["model"], dataset_name=assets["data"], output_dir=str(output_dir),
+                  num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                  max_completion_length=5, learning_rate=3e-3, max_steps=3, save_steps=0, eval_num_samples=8,
+                  report_to=["none"], disable_tqdm=True, seed=7, reward_funcs=["accuracy", "length"],
+                  num_iterations=2, ddp_timeout=120)
+    return {**values, **overrides}
+
+
+def torchrun(*args, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *map(str, args)]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment)
+
+
+def drive(configs: list[dict], tmp_path: Path, *extra) -> subprocess.CompletedProcess:
+    path = tmp_path / f"configs-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(configs))
+    return torchrun(DRIVER, path, *extra)
+
+
+def one_process(values: dict) -> tuple[list[dict], dict]:
+    trainer = Trainer(TrainConfig(**values))
+    trainer.train()
+    return read_metrics(trainer.output_dir), {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+def assert_same_parameters(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    largest = max(float(v.abs().max()) for v in a.values())
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= TOL * largest, (worst, largest)
+
+
+CASES = {  # name: (assets fixture, options)
+    "dapo-kl": ("tied", dict(loss_type="dapo", beta=0.04)),
+    "grpo": ("tied", dict(loss_type="grpo", beta=0.0)),
+    "lora-kl": ("assets", dict(use_peft=True, lora_r=4, lora_dropout=0.0, beta=0.04, learning_rate=1e-2)),
+}
+
+
+def test_two_processes_train_as_one(assets, tied, tmp_path):
+    """FSDP2 and DDP on 2 processes x 4 = 1 process x 8, metric by metric and parameter by parameter."""
+    fixtures = {"assets": assets, "tied": tied}
+    runs = []
+    for parallelism in ("fsdp", "ddp"):
+        for name, (fixture, values) in CASES.items():
+            output = tmp_path / f"{parallelism}-{name}"
+            runs.append(options(fixtures[fixture], output, **values, parallelism=parallelism,
+                                per_device_train_batch_size=4, params_file=str(output) + ".pt"))
+    done = drive(runs, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name, (fixture, values) in CASES.items():
+        metrics, params = one_process(options(fixtures[fixture], tmp_path / f"one-{name}", **values))
+        assert metrics[-1]["grad_norm"] > 0
+        for parallelism in ("fsdp", "ddp"):
+            output = tmp_path / f"{parallelism}-{name}"
+            assert_same_metrics(metrics, read_metrics(output), tol=TOL)
+            assert_same_parameters(params, torch.load(str(output) + ".pt"))
+
+
+def test_torchrun_fastgrpo_train_shards_by_default(tied, tmp_path):
+    """`torchrun -m fastgrpo train` on 2 processes: FSDP2 by default; only rank 0 writes logs, plot and the summary;
+    the last checkpoint is sharded (DCP) and holds the whole model exported with save_pretrained, equal to what one
+    process trains."""
+    values = options(tied, tmp_path / "two", per_device_train_batch_size=4, save_steps=2, beta=0.04)
+    flags = []
+    for key, value in values.items():
+        flags += [f"--{key.replace('_', '-')}", *(map(str, value) if isinstance(value, list) else [str(value)])]
+    done = torchrun("-m", "fastgrpo", "train", *[f for f in flags if f != "True"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("fastgrpo: held-out accuracy") == 1
+    metrics, params = one_process(options(tied, tmp_path / "one", beta=0.04))
+    run = tmp_path / "two"
+    assert_same_metrics(metrics, read_metrics(run), tol=TOL)
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 4  # the evaluation before training, 3 steps
+    assert (run / "training_curves.png").is_file()
+    last = run / "checkpoint-3"
+    assert checkpoint.is_sharded(last) and sorted(p.name for p in (last / "dcp").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]
+    assert checkpoint.verify(last) == 3 and checkpoint.verify(run / "checkpoint-2") == 2
+    assert not (run / "checkpoint-2" / "model.safetensors").exists()  # exported at the end only
+    exported = AutoModelForCausalLM.from_pretrained(last).state_dict()
+    assert_same_parameters({k: params[k] for k in exported}, exported)
+
+
+def test_resume_at_two_and_at_one_process(tied, tmp_path):
+    """A 2-process run killed right after its checkpoint of step 2, resumed with 2 and with 1 process, ends where an
+    unbroken run does."""
+    values = dict(max_steps=4, save_steps=2, beta=0.04, lr_scheduler_type="linear")
+    killed = tmp_path / "killed"
+    first = options(tied, killed, **values, per_device_train_batch_size=4, params_file=str(tmp_path / "unused.pt"))
+    done = drive([first], tmp_path, "--die-after-save", 2)
+    assert done.returncode != 0 and checkpoint.latest(killed).name == "checkpoint-2"
+    shutil.copytree(killed, tmp_path / "again")
+    _, unbroken = one_process(options(tied, tmp_path / "unbroken", **values))
+
+    two = {**first, "resume": True, "params_file": str(tmp_path / "two.pt")}
+    done = drive([two], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_parameters(unbroken, torch.load(tmp_path / "two.pt"))
+
+    _, one = one_process(options(tied, tmp_path / "again", **values, resume=True))
+    assert_same_parameters(unbroken, one)
+
+
+FAILING_REWARD = """
+import os, time
+
+def reward(prompts, completions, **columns):
+    if os.environ["RANK"] == "1":
+        if os.environ.get("HANG"):
+            time.sleep(600)
+        raise RuntimeError("rank one's reward is broken")
+    return [0.0] * len(completions)
+"""
+
+
+@pytest.mark.parametrize("hang", [False, True])
+def test_a_failing_rank_stops_every_rank(tied, tmp_path, hang):
+    """A reward that raises on rank 1 ends both ranks with its error; one that hangs there ends rank 0 when the
+    collective's timeout (ddp_timeout) runs out, and torchrun then stops rank 1."""
+    (tmp_path / "failing_reward.py").write_text(FAILING_REWARD)
+    values = options(tied, tmp_path / "run", per_device_train_batch_size=4, reward_funcs=["failing_reward:reward"],
+                     ddp_timeout=10)
+    flags = []
+    for key, value in values.items():
+        flags += [f"--{key.replace('_', '-')}", *(map(str, value) if isinstance(value, list) else [str(value)])]
+    start = time.monotonic()
+    done = torchrun("-m", "fastgrpo", "train", *[f for f in flags if f != "True"], timeout=240,
+                    env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                         "HANG": "1" if hang else ""})
+    assert done.returncode != 0
+    assert time.monotonic() - start < 180
+    if hang:
+        assert "rank 0: no answer from every process within ddp_timeout=10 s" in done.stderr, done.stderr[-3000:]
+    else:
+        assert ("fastgrpo train: error: rank 1 failed in sampling and rewards: RewardError: reward function "
+                "'failing_reward:reward' raised RuntimeError: rank one's reward is broken") in done.stderr, (
+                    done.stderr[-3000:])
+
+
+# -- the pieces, in one process ---------------------------------------------------------------------------------------
+
+
+def test_shares_cover_the_batch_in_order():
+    for n in (0, 1, 5, 8):
+        for size in (1, 2, 3):
+            shares = [World(rank, size).share(n) for rank in range(size)]
+            assert [i for share in shares for i in share] == list(range(n))
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_merged_metrics_are_those_of_the_whole_micro_batch():
+    # Two micro-batches; rank 0 and rank 1 hold (loss tokens, samples) shares of each.
+    rank0 = ({"loss": [0.5], "kl": [0.2, 0.4], "clip_ratio/low_min": [0.1, math.nan], "clip_ratio/high_max": [0.3, 0.0],
+              "clip_ratio/low_mean": [0.5, 0.0], "grad_norm": [2.0]}, [(3, 4), (0, 4)])
+    rank1 = ({"loss": [0.25], "kl": [0.8, 0.1], "clip_ratio/low_min": [0.2, 0.0], "clip_ratio/high_max": [0.1, 0.2],
+              "clip_ratio/low_mean": [1.0, 0.5], "grad_norm": [2.0]}, [(1, 4), (2, 4)])
+    merged = merge_metrics([rank0, rank1], sequence_level=False)
+    assert merged["loss"] == [0.75] and merged["grad_norm"] == [2.0]
+    assert merged["kl"] == pytest.approx([(0.2 * 3 + 0.8 * 1) / 4, 0.1])  # a share without tokens weighs nothing
+    assert merged["clip_ratio/low_min"] == [0.1, 0.0] and merged["clip_ratio/high_max"] == [0.3, 0.2]
+    assert merged["clip_ratio/low_mean"] == pytest.approx([(0.5 * 3 + 1.0) / 4, 0.5])
+    by_samples = merge_metrics([rank0, rank1], sequence_level=True)  # sequence-level ratios: a mean over samples
+    assert by_samples["clip_ratio/low_mean"] == pytest.approx([0.75, 0.25])
+    assert merge_metrics([rank0], sequence_level=False) is rank0[0]

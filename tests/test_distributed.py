@@ -131,21 +131,43 @@ def test_torchrun_fastgrpo_train_shards_by_default(tied, tmp_path):
     assert_same_parameters({k: params[k] for k in exported}, exported)
 
 
-def test_resume_at_two_and_at_one_process(tied, tmp_path):
+class Killed(Exception):
+    pass
+
+
+def test_resume_at_two_and_at_one_process(tied, tmp_path, monkeypatch):
     """A 2-process run killed right after its checkpoint of step 2, resumed with 2 and with 1 process, ends where an
-    unbroken run does."""
+    unbroken run does; so does a 1-process run killed there and resumed with 2 (its optimizer.pt sharded by FSDP2)."""
     values = dict(max_steps=4, save_steps=2, beta=0.04, lr_scheduler_type="linear")
     killed = tmp_path / "killed"
     first = options(tied, killed, **values, per_device_train_batch_size=4, params_file=str(tmp_path / "unused.pt"))
     done = drive([first], tmp_path, "--die-after-save", 2)
     assert done.returncode != 0 and checkpoint.latest(killed).name == "checkpoint-2"
+    assert checkpoint.is_sharded(checkpoint.latest(killed))
     shutil.copytree(killed, tmp_path / "again")
     _, unbroken = one_process(options(tied, tmp_path / "unbroken", **values))
 
-    two = {**first, "resume": True, "params_file": str(tmp_path / "two.pt")}
-    done = drive([two], tmp_path)
+    alone = Trainer(TrainConfig(**options(tied, tmp_path / "alone", **values)))
+    save = alone.save
+
+    def save_then_die():
+        path = save()
+        if alone.step == 2:
+            raise Killed
+        return path
+
+    monkeypatch.setattr(alone, "save", save_then_die)
+    with pytest.raises(Killed):
+        alone.train()
+    assert not checkpoint.is_sharded(checkpoint.latest(tmp_path / "alone"))
+
+    resumed = [{**first, "resume": True, "params_file": str(tmp_path / "two.pt")},
+               {**first, "output_dir": str(tmp_path / "alone"), "resume": True,
+                "params_file": str(tmp_path / "from-one.pt")}]
+    done = drive(resumed, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_parameters(unbroken, torch.load(tmp_path / "two.pt"))
+    assert_same_parameters(unbroken, torch.load(tmp_path / "from-one.pt"))
 
     _, one = one_process(options(tied, tmp_path / "again", **values, resume=True))
     assert_same_parameters(unbroken, one)

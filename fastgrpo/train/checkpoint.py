@@ -150,7 +150,8 @@ def load_sharded(checkpoint: Path, model, optimizer) -> None:
     options = _dcp_options(model)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     try:
-        dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint / SHARDED)
+        dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint / SHARDED,
+                 no_dist=not (torch.distributed.is_available() and torch.distributed.is_initialized()))
     except Exception as e:
         raise CheckpointError(f"resume: {checkpoint / SHARDED} cannot be loaded ({_reason(e)}); resume with the "
                               "options the run was written with, or start afresh with --overwrite-output-dir") from e

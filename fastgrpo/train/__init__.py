@@ -1,4 +1,4 @@
-"""`fastgrpo train`: GRPO on one device with the paged sampler and the fused loss.
+"""`fastgrpo train`: GRPO on one device, or on several through torchrun, with the paged sampler and the fused loss.
 
     from fastgrpo.train import TrainConfig, Trainer
     Trainer(TrainConfig.from_yaml("recipes/gsm8k.yaml", max_steps=10)).train()

@@ -209,6 +209,25 @@ def test_a_failing_rank_stops_every_rank(tied, tmp_path, hang):
                     done.stderr[-3000:])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fsdp_step_on_gpus(tied, tmp_path):
+    """One FSDP2 step on the GPUs there are (NCCL; bf16 weights, fp32 gradient reduction): two GPUs, or one GPU as a
+    group of one process."""
+    gpus = min(torch.cuda.device_count(), 2)
+    values = options(tied, tmp_path / "run", per_device_train_batch_size=16 // gpus, max_steps=1, beta=0.04,
+                     bf16=True, parallelism="fsdp")
+    flags = []
+    for key, value in values.items():
+        flags += [f"--{key.replace('_', '-')}", *(map(str, value) if isinstance(value, list) else [str(value)])]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus), "-m",
+               "fastgrpo", "train", *[f for f in flags if f != "True"]]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = read_metrics(tmp_path / "run")[1:]
+    assert math.isfinite(row["loss"]) and row["grad_norm"] > 0 and row["peak_memory_gib"] > 0
+    assert checkpoint.is_sharded(tmp_path / "run" / "checkpoint-1")
+
+
 # -- the pieces, in one process ---------------------------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+from torch.distributed.tensor import DTensor
 
 from fastgrpo.loss import LOGIT_TRANSFORMS, fused_grpo_loss, grpo_loss, head_transform, token_logprobs
 from fastgrpo.loss_config import LOSS_TYPES, TOKEN_NORMALISED_LOSS_TYPES, LossConfig
@@ -67,12 +68,14 @@ def _entropy_bonus(args, *_):
     return None
 
 
-def _sharded(args=None, *_, trainer=None):
+def _sharded_head(args=None, *_, trainer=None):
     if trainer is not None:
+        fsdp_version = trainer.accelerator.state.fsdp_plugin.fsdp_version if trainer.is_fsdp_enabled else None
         zero3 = trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3
-        return "fsdp" if trainer.is_fsdp_enabled else "DeepSpeed ZeRO-3" if zero3 else None
-    zero3 = args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3
-    return f"fsdp={args.fsdp!r}" if args.fsdp else "DeepSpeed ZeRO-3" if zero3 else None
+    else:
+        fsdp_version = args.fsdp_plugin_args["fsdp_version"] if args.fsdp_plugin_args else None
+        zero3 = args.deepspeed_plugin is not None and args.deepspeed_plugin.zero_stage == 3
+    return "fsdp_version=1 (FSDP1)" if fsdp_version == 1 else "DeepSpeed ZeRO-3" if zero3 else None
 
 
 def _prompt_learning(args=None, peft_config=None, processing_class=None, *, trainer=None):
@@ -119,7 +122,9 @@ REFUSALS = {
     "entropy_coef": Refusal("fastgrpo applies TRL's static entropy bonus over the completion mask only (no adaptive "
                             "coefficient, no top-entropy mask); set use_adaptive_entropy=False and "
                             "top_entropy_quantile=1.0, or entropy_coef=0.0", _entropy_bonus, ("args",)),
-    "fsdp": Refusal("the lm_head weight is read whole, not gathered from shards", _sharded, ("args", "trainer")),
+    "fsdp1_zero3": Refusal("there the lm_head weight is whole only inside the lm_head's own forward (FSDP1's flat "
+                           "parameters, ZeRO-3's partitions); use FSDP2: fsdp_config={'version': 2}", _sharded_head,
+                           ("args", "trainer")),
     "peft_prompt_learning": Refusal("virtual tokens change the hidden-state positions", _prompt_learning,
                                     ("args", "trainer")),
     "vision_language": Refusal("multimodal inputs are not forwarded", _vision, ("args", "trainer")),
@@ -175,12 +180,26 @@ class FastGRPOTrainer(GRPOTrainer):
     # -- hidden states and logprobs ----------------------------------------------------------------------------------
 
     def _lm_head(self, model):
-        """(weight [V, H], bias [V] or None) of the lm_head; PEFT leaves it untouched (TRL rejects adapters on it)."""
+        """(weight [V, H], bias [V] or None) of the lm_head, whole; PEFT leaves it untouched (TRL rejects adapters on
+        it). Read right after `model`'s forward: under FSDP2 the lm_head's group is then still unsharded, if it does
+        not reshard after forward; if it does, the weight is gathered for a no-grad forward and refused for the loss.
+        """
         model = self.accelerator.unwrap_model(model)
         if is_peft_model(model):
             model = model.get_base_model()
         head = model.get_output_embeddings()
-        return head.weight, head.bias
+        if not isinstance(head.weight, DTensor):
+            return head.weight, head.bias
+        if torch.is_grad_enabled():
+            # The gradient of a gathered copy would not reach FSDP's reduce-scatter of the sharded parameter.
+            raise ValueError(
+                "FastGRPOTrainer does not support an lm_head that FSDP2 reshards after its forward (its weight is a "
+                "sharded DTensor when the loss reads it, e.g. under fsdp_config auto_wrap_policy=SIZE_BASED_WRAP): "
+                "use auto_wrap_policy=TRANSFORMER_BASED_WRAP with transformer_layer_cls_to_wrap=[the decoder layer "
+                "class], which leaves the lm_head in a group that stays whole after the forward"
+            )
+        # TRL's reference model: one group that reshards after forward. The gathered weight is the only whole copy.
+        return head.weight.full_tensor(), None if head.bias is None else head.bias.full_tensor()
 
     def _completion_hidden_states(self, model, input_ids, attention_mask, num_completion):
         """Final-norm hidden states [B, T, H] that predict the last T = num_completion tokens of input_ids [B, S].
@@ -211,13 +230,13 @@ class FastGRPOTrainer(GRPOTrainer):
         `multimodal` (pixel_values, ...) and `compute_aux_loss` are always None / False: excluded at construction.
         """
         assert not compute_aux_loss and all(v is None for v in multimodal.values()), "excluded at construction"
-        weight, bias = self._lm_head(model)
         T = logits_to_keep
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
             hidden = self._completion_hidden_states(model, input_ids[rows], attention_mask[rows], T)  # [b, T, H]
+            weight, bias = self._lm_head(model)  # after the forward: FSDP2 may have swapped the parameter
             logp, entropy = self._token_logprobs(hidden, weight, bias, input_ids[rows, -T:],
                                                  attention_mask[rows, -T:] != 0)
             logps.append(logp)

@@ -136,8 +136,9 @@ class TrainConfig:
     seed: int = option(42, "seed of the data order, the initial weights of adapters and the sampling")
     # -- several processes (torchrun) --
     parallelism: str | None = option(
-        None, "with several processes: fsdp (FSDP2: parameters, gradients and optimizer states sharded per decoder "
-              "layer) or ddp (a whole model per process); default fsdp; ignored in one process",
+        None, "with several processes (torchrun): fsdp (FSDP2: parameters, gradients and optimizer states sharded "
+              "per decoder layer) or ddp (a whole model per process); default fsdp. Ignored by a process that "
+              "torchrun did not start",
         choices=("fsdp", "ddp"))
     ddp_timeout: int = option(1800, "seconds any collective of several processes may wait before it fails")
     # -- evaluation, checkpoints, logs --

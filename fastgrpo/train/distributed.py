@@ -106,12 +106,14 @@ class World:
         return [(r, m) for r, m in enumerate(self.gather(error)) if m is not None]
 
 
-def current(timeout_seconds: float) -> World:
+def current(timeout_seconds: float, join_alone: bool = False) -> World:
     """This process's place: one process unless torchrun (or a launcher setting WORLD_SIZE, RANK, LOCAL_RANK,
-    MASTER_ADDR and MASTER_PORT) started several. The process group is created once per process, NCCL with one GPU per
-    rank or gloo on CPU; every collective gives up after `timeout_seconds`."""
+    MASTER_ADDR and MASTER_PORT) started several; with `join_alone`, a single process that torchrun started forms a
+    group of one too (to run FSDP2 or DDP on one GPU). The process group is created once per process, NCCL with one
+    GPU per rank or gloo on CPU; every collective gives up after `timeout_seconds`."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size == 1 and not dist.is_initialized():
+    launched = "MASTER_ADDR" in os.environ and "RANK" in os.environ
+    if size == 1 and not dist.is_initialized() and not (join_alone and launched):
         return World()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():

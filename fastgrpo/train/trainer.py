@@ -29,9 +29,8 @@ import math
 import time
 import zlib
 from collections import defaultdict
-from pathlib import Path
-
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 from transformers import get_scheduler
@@ -86,9 +85,10 @@ def _output_dir(config: TrainConfig) -> Path:
 class Trainer:
     def __init__(self, config: TrainConfig, device: str | torch.device | None = None):
         self.config = config
-        self.world = distributed.current(config.ddp_timeout)
+        self.world = distributed.current(config.ddp_timeout, join_alone=config.parallelism is not None)
         self.device = torch.device(device) if device is not None else distributed.device(self.world)
-        self.parallelism = (config.parallelism or "fsdp") if self.world.size > 1 else None
+        grouped = self.world.size > 1 or torch.distributed.is_initialized()
+        self.parallelism = (config.parallelism or "fsdp") if grouped else None
         self.output_dir = self.world.broadcast(_output_dir(config))  # the default's date-time: rank 0's
         self.folder = RunDir(self.output_dir)
         try:
@@ -438,7 +438,7 @@ class Trainer:
     def save(self) -> Path:
         state = {"num_tokens": self.num_tokens, "seconds": self.seconds, "initial_accuracy": self.initial_accuracy,
                  "data": self.order.state_dict()}
-        if self.world.size > 1:
+        if self.parallelism is not None:  # sharded (FSDP2) or not, several processes write a DCP checkpoint
             return checkpoint.save_sharded(self.output_dir, self.step, self.world, self.model, self.tokenizer,
                                            self.optimizer, self.scheduler, state, self.config.save_total_limit,
                                            export=self.step == self.config.max_steps)

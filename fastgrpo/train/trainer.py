@@ -154,8 +154,11 @@ class Trainer:
         self.policy = PolicyLoss(self.model, self.packed, self.head)
         self.reference = None if self.ref_model is None else PolicyLoss(self.ref_model, self.packed, self.head)
         self.train_module = self._parallelize()
+        # Under FSDP2 the layers keep FSDP's forward hooks while sampling (no-ops on unsharded weights, but they
+        # touch streams, which a CUDA-graph capture does not allow): decode steps run eager there.
         self.engine = Engine(self.model, tokenizer=self.tokenizer, block_size=config.block_size,
-                             memory_fraction=config.sampling_memory_fraction)
+                             memory_fraction=config.sampling_memory_fraction,
+                             cuda_graphs=self.parallelism != "fsdp")
 
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.parameters, lr=config.learning_rate, weight_decay=config.weight_decay,

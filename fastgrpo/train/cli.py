@@ -3,6 +3,7 @@
 import argparse
 import contextlib
 import dataclasses
+import os
 import shlex
 import signal
 import sys
@@ -62,7 +63,8 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     if overrides.get("resume") and overrides.get("output_dir") and saved.is_file():
         return TrainConfig.from_yaml(saved, **overrides)
     if "model_name_or_path" not in overrides:
-        print(f"fastgrpo train: no --config: the built-in arithmetic recipe ({DEFAULT_RECIPE})", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # one line, not one per process under torchrun
+            print(f"fastgrpo train: no --config: the built-in arithmetic recipe ({DEFAULT_RECIPE})", file=sys.stderr)
         return TrainConfig.from_yaml(DEFAULT_RECIPE, **overrides)
     return TrainConfig(**overrides)
 

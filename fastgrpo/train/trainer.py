@@ -267,12 +267,14 @@ class Trainer:
         params = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                                 max_new_tokens=config.max_completion_length, stop_token_ids=self.stop_token_ids,
                                 seed=self._seed("sample"))
+        mine = None  # (completions [groups][G], rewards per function [n, F], total [n], preemptions)
         with self.world.together("sampling and rewards"):
             outputs = self._generate([self.train_prompts.token_ids[i] for i in picked], G, params)
             timer.lap("sampling")
-            local = self._score([picked[i] for i in self.world.share(len(picked))], outputs) if outputs else None
-        parts = [part for part in self.world.gather(local and (outputs, *local, self.engine.stats.num_preemptions))
-                 if part is not None]
+            if outputs:  # a process gets no group when a round has fewer groups than processes
+                per_func, rewards = self._score([picked[i] for i in self.world.share(len(picked))], outputs)
+                mine = (outputs, per_func, rewards, self.engine.stats.num_preemptions)
+        parts = [part for part in self.world.gather(mine) if part is not None]  # in group order
         completions = [c for part in parts for group in part[0] for c in group]  # [P*G], prompt-major
         per_func, rewards = (torch.cat([part[k] for part in parts]) for k in (1, 2))
         timer.lap("rewards")

@@ -62,6 +62,15 @@ def torchrun(*args, timeout: float = 600, env: dict | None = None) -> subprocess
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environment)
 
 
+def flags(values: dict) -> list[str]:
+    """The options as `fastgrpo train` command-line flags (True as a bare flag)."""
+    out = []
+    for key, value in values.items():
+        out += [f"--{key.replace('_', '-')}", *(map(str, value) if isinstance(value, list) else
+                                                  [] if value is True else [str(value)])]
+    return out
+
+
 def drive(configs: list[dict], tmp_path: Path, *extra) -> subprocess.CompletedProcess:
     path = tmp_path / f"configs-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(configs))
@@ -117,10 +126,7 @@ def test_torchrun_fastgrpo_train_shards_by_default(tied, tmp_path):
     the last checkpoint is sharded (DCP) and holds the whole model exported with save_pretrained, equal to what one
     process trains."""
     values = options(tied, tmp_path / "two", per_device_train_batch_size=4, save_steps=2, beta=0.04)
-    flags = []
-    for key, value in values.items():
-        flags += [f"--{key.replace('_', '-')}", *(map(str, value) if isinstance(value, list) else [str(value)])]
-    done = torchrun("-m", "fastgrpo", "train", *[f for f in flags if f != "True"])
+    done = torchrun("-m", "fastgrpo", "train", *flags(values))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("fastgrpo: held-out accuracy") == 1
     metrics, params = one_process(options(tied, tmp_path / "one", beta=0.04))
@@ -198,11 +204,8 @@ def test_a_failing_rank_stops_every_rank(tied, tmp_path, hang):
     (tmp_path / "failing_reward.py").write_text(FAILING_REWARD)
     values = options(tied, tmp_path / "run", per_device_train_batch_size=4, reward_funcs=["failing_reward:reward"],
                      ddp_timeout=10)
-    flags = []
-    for key, value in values.items():
-        flags += [f"--{key.replace('_', '-')}", *(map(str, value) if isinstance(value, list) else [str(value)])]
     start = time.monotonic()
-    done = torchrun("-m", "fastgrpo", "train", *[f for f in flags if f != "True"], timeout=240,
+    done = torchrun("-m", "fastgrpo", "train", *flags(values), timeout=240,
                     env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                          "HANG": "1" if hang else ""})
     assert done.returncode != 0
@@ -222,11 +225,8 @@ def test_fsdp_step_on_gpus(tied, tmp_path):
     gpus = min(torch.cuda.device_count(), 2)
     values = options(tied, tmp_path / "run", per_device_train_batch_size=16 // gpus, max_steps=1, beta=0.04,
                      bf16=True, parallelism="fsdp")
-    flags = []
-    for key, value in values.items():
-        flags += [f"--{key.replace('_', '-')}", *(map(str, value) if isinstance(value, list) else [str(value)])]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus), "-m",
-               "fastgrpo", "train", *[f for f in flags if f != "True"]]
+               "fastgrpo", "train", *flags(values)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = read_metrics(tmp_path / "run")[1:]

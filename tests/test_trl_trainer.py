@@ -14,10 +14,10 @@ Parametrization: every fastgrpo loss type runs twice, with complementary setting
 0.04, token / sequence importance level, num_iterations 1 / 2, gradient accumulation 1 / 2), drawn from four base rows
 (`_ROWS`) that cover every pair of values of every two axes. dapo / cispo (the loss types normalised by
 `num_items_in_batch`) accumulate over steps_per_generation = 4 instead of 2, so TRL's generation-batch rescaling is
-not 1. Separate cases: fastgrpo's Triton kernels (interpreted on CPU), two processes (DDP over gloo), LoRA (the
-reference = adapters disabled), a bf16 model with cast_lm_head_to_fp32, top_entropy_quantile < 1,
-off_policy_mask_threshold, mask_truncated_completions, evaluation; the hidden states read are the final-norm ones
-(Qwen2, Llama); the options that must raise; the version check.
+not 1. Separate cases: fastgrpo's Triton kernels (interpreted on CPU), two processes over gloo (DDP; FSDP2 with an
+untied, a tied and a LoRA model), LoRA (the reference = adapters disabled), a bf16 model with cast_lm_head_to_fp32,
+top_entropy_quantile < 1, off_policy_mask_threshold, mask_truncated_completions, evaluation; the hidden states read
+are the final-norm ones (Qwen2, Llama); the options that must raise; the version check.
 """
 
 import os
@@ -30,7 +30,10 @@ pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 import torch  # noqa: E402
+from accelerate.state import PartialState  # noqa: E402
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
 from helpers import tiny_config, torch_threads, word_tokenizer  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -122,17 +125,24 @@ def _one_thread_and_max_diffs():
             print(f"  {what:<14} {value:.3e}")
 
 
+def _save_tiny_qwen2(path, tokenizer, head_std=0.5, tie_word_embeddings=False):
+    """A tiny fp32 Qwen2 with lm_head weights of std head_std, and the tokenizer, saved offline to path."""
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(0)
+    config = tiny_config(Qwen2Config, len(tokenizer))
+    config.tie_word_embeddings = tie_word_embeddings
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # a non-trivial head: random init std 0.02 makes every distribution almost uniform
+        model.lm_head.weight.normal_(0.0, head_std)
+    model.save_pretrained(path)
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A tiny fp32 Qwen2 and its word-level tokenizer, saved offline."""
     path = tmp_path_factory.mktemp("trl_trainer")
     tokenizer = word_tokenizer(VOCAB_WORDS)
-    tokenizer.save_pretrained(path)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(tiny_config(Qwen2Config, len(tokenizer)))
-    with torch.no_grad():  # a non-trivial head: random init std 0.02 makes every distribution almost uniform
-        model.lm_head.weight.normal_(0.0, 0.5)
-    model.save_pretrained(path)
+    _save_tiny_qwen2(path, tokenizer)
     return path, tokenizer
 
 
@@ -165,7 +175,12 @@ class _FirstGradients(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if self.grads is None:
-            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            self.grads = {n: _whole(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _whole(t):
+    """A tensor's whole value: FSDP2's sharded parameters and gradients gathered (a collective), others as they are."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _recording(cls):
@@ -247,8 +262,9 @@ def _assert_same_training(stock, fast, initial, mixed_lengths=True):
         assert diff <= GRAD_REL * scale, f"grad of {name}: max|diff| {diff:.3e} > {GRAD_REL} * max|grad| {scale:.3e}"
 
     moved = 0.0
-    fast_params = dict(fast.model.named_parameters())
+    fast_params = {name: _whole(p) for name, p in fast.model.named_parameters()}
     for name, p in stock.model.named_parameters():
+        p = _whole(p)
         diff = (fast_params[name] - p).abs().max().item()
         moved = max(moved, (p - initial[name]).abs().max().item())
         _record("param", diff)
@@ -337,10 +353,7 @@ def test_ddp_matches_trl(workdir, tmp_path):
     import json
 
     path, _ = workdir
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-           str(path), str(tmp_path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-4000:]
+    _run_ranks("ddp", path, tmp_path)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for name in DDP_CASES:  # else the cross-process reductions would see equal counts
         assert ranks[0]["completions"][name] != ranks[1]["completions"][name], name
@@ -350,11 +363,129 @@ def test_ddp_matches_trl(workdir, tmp_path):
             _record(f"ddp {what}", value)
 
 
+def _run_ranks(worker, *paths):
+    """`_WORKERS[worker](*paths)` on two processes (gloo), started by torch.distributed.run; fails if a rank fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, worker,
+           *map(str, paths)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-4000:]
+
+
+# FSDP2 (torch's fully_shard) on two processes over gloo, the model as accelerate shards it for GRPOConfig(fsdp=True,
+# fsdp_config={"version": 2, ...}): the policy by accelerate's fsdp2_prepare_model (each decoder layer, the input
+# embeddings, then the final norm and the lm_head, with the embeddings when tied, as one group that stays whole after
+# its forward, then the root), the reference model (beta > 0) by TRL's prepare_fsdp (the root alone, resharded after
+# its forward: FastGRPOTrainer gathers its lm_head weight for the no-grad reference logprobs).
+# The tied model (Qwen2.5-0.5B's layout) has head weights of std 0.1: they are its input embeddings too, and at std 0.5
+# every completion repeats the prompt's last word (equal rewards, zero advantages). Its weights move ~10x less per step
+# than the untied model's (4.8e-4 at LR, one process), hence 10 x LR.
+TIED_HEAD_STD = 0.1
+FSDP_CASES = {  # name: (tied embeddings, LoRA, options)
+    "grpo-sequence-untied": (False, False, DDP_CASES["grpo-sequence"]),
+    "dapo-token-tied": (True, False, {**DDP_CASES["dapo-token"], "learning_rate": 10 * LR}),
+    "dapo-lora": (False, True, dict(loss_type="dapo", beta=0.04, num_iterations=2, learning_rate=0.1)),
+}
+
+
+def _lora_config():
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+
+
+def _fsdp2(**config):
+    """GRPOConfig options for FSDP2 (a new fsdp_config each time: TrainingArguments edits it in place)."""
+    return dict(fsdp=True, fsdp_config={"version": 2, **config})
+
+
+def _fsdp_on_cpu(cls):
+    """cls with accelerate's FSDP on CPU. accelerate turns FSDP on for accelerator devices only (AcceleratorState keeps
+    DistributedType.MULTI_CPU whatever the fsdp_plugin, accelerate 1.15 state.py), though torch's fully_shard runs on
+    CPU over gloo; the built Accelerator's state is set to what it is on GPUs: FSDP, with the plugin transformers makes
+    from fsdp / fsdp_config. Everything after is the stock path (fsdp2_prepare_model, TRL's prepare_fsdp, the
+    Trainer's FSDP branches), in both trainers."""
+
+    class OnCPU(cls):
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            state = self.accelerator.state
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            self.is_fsdp_enabled = True
+
+    return OnCPU
+
+
+def _fsdp_worker(path, tied_path, out_dir):
+    """One rank of test_fsdp2_matches_trl: the comparisons of _assert_same_training on gathered parameters and
+    gradients, then the refusal of an lm_head resharded after its forward."""
+    import json
+
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    report = {"completions": {}}
+    layers = _fsdp2(auto_wrap_policy="TRANSFORMER_BASED_WRAP", transformer_layer_cls_to_wrap=["Qwen2DecoderLayer"])
+    for name, (tied, lora, options) in FSDP_CASES.items():
+        folder = tied_path if tied else path
+        kwargs = dict(**layers, **options, peft_config=_lora_config() if lora else None)
+        stock, fast = (_train(folder, word_tokenizer(VOCAB_WORDS), _fsdp_on_cpu(cls), **kwargs)
+                       for cls in (GRPOTrainer, FastGRPOTrainer))
+        for run in (stock, fast):  # sharded at rest, the reference model too (LoRA: the adapters disabled)
+            head, embeddings = run.model.get_output_embeddings(), run.model.get_input_embeddings()
+            assert isinstance(run.model, FSDPModule) and isinstance(head.weight, DTensor)
+            assert (head.weight is embeddings.weight) == tied
+            assert lora or isinstance(run.ref_model, FSDPModule) and isinstance(run.ref_model.lm_head.weight, DTensor)
+        if lora:  # the adapters as initialised (B = 0, A random)
+            untrained = _train(folder, word_tokenizer(VOCAB_WORDS), _fsdp_on_cpu(GRPOTrainer), train=False, **kwargs)
+            initial = {n: p.detach().clone() for n, p in untrained.model.named_parameters()}
+        else:
+            initial = _initial(folder)
+        metrics = _assert_same_training(stock, fast, initial, mixed_lengths=False)  # checked over both ranks
+        assert metrics[1]["kl"] > 0
+        assert not lora or all("lora_" in n for n in stock.first_grads), sorted(stock.first_grads)
+        report["completions"][name] = stock.completions
+    # A model sharded by hand (accelerate and TRL leave an FSDPModule as it is) whose lm_head is a group of its own,
+    # resharded after its forward: refused at the loss, the first read of the weight with beta 0 and num_iterations 1.
+    model = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for module in (*model.model.layers, model.lm_head, model):
+        fully_shard(module)
+    with pytest.raises(ValueError, match="FastGRPOTrainer does not support an lm_head that FSDP2 reshards"):
+        _train(path, word_tokenizer(VOCAB_WORDS), _fsdp_on_cpu(FastGRPOTrainer), model=model,
+               **_fsdp2(auto_wrap_policy="NO_WRAP"))
+    report["max_diff"] = _MAX_DIFF
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def test_fsdp2_matches_trl(workdir, tmp_path):
+    """FSDP2 on two processes (FSDP_CASES): an untied and a tied model and a LoRA adapter, all with a KL to a reference,
+    train as in TRL; FastGRPOTrainer reads the lm_head weight right after the model's forward, whole as FSDP2 leaves
+    it, and refuses an lm_head that FSDP2 reshards after its forward. accelerate refuses FSDP on CPU silently (it
+    trains with DDP instead), so both trainers switch it on after building their Accelerator (`_fsdp_on_cpu`)."""
+    import json
+
+    pytest.importorskip("peft")
+    path, tokenizer = workdir
+    _save_tiny_qwen2(tmp_path / "tied", tokenizer, head_std=TIED_HEAD_STD, tie_word_embeddings=True)
+    _run_ranks("fsdp", path, tmp_path / "tied", tmp_path)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for name in FSDP_CASES:
+        assert ranks[0]["completions"][name] != ranks[1]["completions"][name], name
+        _assert_mixed_lengths(ranks[0]["completions"][name] + ranks[1]["completions"][name])
+    for rank in ranks:
+        for what, value in rank["max_diff"].items():
+            _record(f"fsdp {what}", value)
+
+
+_WORKERS = {"ddp": _ddp_worker, "fsdp": _fsdp_worker}
+
+
 def test_lora_matches_trl(workdir):
     """PEFT: a LoRA adapter on the backbone trains as in TRL; the reference (beta > 0) has the adapters disabled."""
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     path, tokenizer = workdir
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    lora = _lora_config()
     options = dict(loss_type="dapo", beta=0.04, num_iterations=2, learning_rate=0.1)  # LoRA's B starts at 0
     stock = _train(path, tokenizer, GRPOTrainer, peft_config=lora, **options)
     fast = _train(path, tokenizer, FastGRPOTrainer, peft_config=lora, **options)
@@ -544,7 +675,7 @@ UNSUPPORTED = [
     pytest.param(dict(epsilon=-0.1), "epsilon_low must be a finite number >= 0", None, id="bad_epsilon"),
     pytest.param(dict(loss_type="dr_grpo", max_completion_length=None), "needs max_completion_length", None,
                  id="dr_grpo"),
-    pytest.param(dict(fsdp=True), "fsdp", "fsdp", id="fsdp"),
+    pytest.param(dict(fsdp=True, fsdp_config={"version": 1}), "fsdp_version=1 (FSDP1)", "fsdp1_zero3", id="fsdp1"),
     pytest.param(dict(peft_config=_prompt_tuning), "PEFT prompt learning", "peft_prompt_learning",
                  id="prompt_tuning"),
     pytest.param(dict(processing_class=_processor), "vision-language models", "vision_language", id="vlm"),
@@ -593,7 +724,7 @@ def test_trl_version_check():
     assert message in out.stderr, out.stderr[-2000:]
 
 
-if __name__ == "__main__":  # a rank of test_ddp_matches_trl, started by torch.distributed.run
+if __name__ == "__main__":  # a rank of test_ddp_matches_trl or test_fsdp2_matches_trl, started by torch.distributed.run
     from pathlib import Path
 
-    _ddp_worker(Path(sys.argv[1]), Path(sys.argv[2]))
+    _WORKERS[sys.argv[1]](*map(Path, sys.argv[2:]))

@@ -16,8 +16,19 @@ forming the [B, T, V] logits. The head runs in the weight's dtype with autocast 
 cast_lm_head_to_fp32; without it TRL's head runs under the trainer's autocast, e.g. in bf16 for fp32 weights with
 bf16=True, where fastgrpo's fp32 head is the more precise of the two).
 
-Exact equivalent: `trl.GRPOTrainer._compute_loss` (tested in fp32 to 1e-5, tests/test_trl_trainer.py). Options
-fastgrpo cannot reproduce exactly raise a `ValueError` naming the option when the trainer is built (`REFUSALS`).
+FSDP2 (GRPOConfig fsdp=True, fsdp_config={"version": 2, ...}: torch's `fully_shard`): the lm_head weight is read right
+after the model's forward, where FSDP2 has all-gathered it whole, and used in place: no second whole copy is made.
+accelerate shards the policy's final norm and lm_head (with the input embeddings when tied) as one group that does
+not reshard after its forward, so the weight is then a plain tensor, and its gradient accumulates there like the
+lm_head's own, for FSDP to reduce-scatter at the end of backward. TRL's reference model is one group that reshards
+after its forward: for those no-grad logprobs the sharded weight is gathered, the only whole copy while it lasts. An
+lm_head that FSDP2 reshards after its forward in the policy is refused when the loss reads it (a gathered copy's
+gradient would bypass FSDP's reduce-scatter), as are FSDP1 and DeepSpeed ZeRO-3, where the weight is whole only
+inside the lm_head's own forward.
+
+Exact equivalent: `trl.GRPOTrainer._compute_loss` (tested in fp32 to 1e-5, tests/test_trl_trainer.py; FSDP2 and DDP on
+two processes too). Options fastgrpo cannot reproduce exactly raise a `ValueError` naming the option when the trainer
+is built (`REFUSALS`).
 """
 
 import dataclasses
@@ -191,12 +202,14 @@ class FastGRPOTrainer(GRPOTrainer):
         if not isinstance(head.weight, DTensor):
             return head.weight, head.bias
         if torch.is_grad_enabled():
-            # The gradient of a gathered copy would not reach FSDP's reduce-scatter of the sharded parameter.
+            # A gathered copy's gradient would bypass FSDP's reduce-scatter of the lm_head's group.
             raise ValueError(
                 "FastGRPOTrainer does not support an lm_head that FSDP2 reshards after its forward (its weight is a "
-                "sharded DTensor when the loss reads it, e.g. under fsdp_config auto_wrap_policy=SIZE_BASED_WRAP): "
-                "use auto_wrap_policy=TRANSFORMER_BASED_WRAP with transformer_layer_cls_to_wrap=[the decoder layer "
-                "class], which leaves the lm_head in a group that stays whole after the forward"
+                "sharded DTensor when the loss reads it: an FSDP group of its own with reshard_after_forward=True, "
+                "e.g. from fully_shard(model.lm_head)): let accelerate shard the model (fsdp_config={'version': 2, "
+                "'auto_wrap_policy': 'TRANSFORMER_BASED_WRAP', 'transformer_layer_cls_to_wrap': [the decoder layer "
+                "class]} groups the lm_head with the final norm, whole after the forward), or shard the lm_head with "
+                "reshard_after_forward=False"
             )
         # TRL's reference model: one group that reshards after forward. The gathered weight is the only whole copy.
         return head.weight.full_tensor(), None if head.bias is None else head.bias.full_tensor()

@@ -137,9 +137,10 @@ def reference_paged_attention(
     num_seqs = block_tables.shape[0]
     max_context = int(context_lens.max()) if max_context_len is None else max_context_len
     num_pages = -(-max_context // block_size)
-    tables = block_tables[:, :num_pages]
-    keys = k_cache[tables].flatten(1, 2)  # [S, C, Hkv, D], C = num_pages * block_size
-    values = v_cache[tables].flatten(1, 2)
+    pages = block_tables[:, :num_pages].reshape(-1)  # [S * num_pages]
+    # index_select on the page dimension: one contiguous copy per page (advanced indexing takes ~2x as long on a CPU)
+    gather = lambda cache: cache.index_select(0, pages).view(num_seqs, num_pages * block_size, *cache.shape[2:])
+    keys, values = gather(k_cache), gather(v_cache)  # [S, C, Hkv, D], C = num_pages * block_size
     pos = torch.arange(num_pages * block_size, device=query.device)  # [C]
     if query.shape[0] == num_seqs and (max_query_len == 1 or max_query_len is None and bool(
             (query_starts[1:] - query_starts[:-1] == 1).all())):

@@ -19,7 +19,7 @@ backward forms each chunk's Z again (4 GEMMs in all).
 
 Extra memory of the gradient-in-forward path: the Z chunk (4 C V bytes; dZ is written over it in fp32, or to a
 2 C V-byte buffer in bf16), the fp32 dW accumulator (4 V H) and dX (N H in the input dtype); with the defaults below
-that is at most ~2 GiB of chunk on a GPU and 32 MiB on a CPU, plus the accumulator.
+that is at most ~2 GiB of chunk on a GPU and max(32 MiB, 256 rows) on a CPU, plus the accumulator.
 """
 
 import os
@@ -29,13 +29,18 @@ import torch
 
 # Chunk of logits per GEMM: on CUDA large enough that GEMM 3's fp32 dW read-modify-write (8 V H bytes per chunk)
 # stays under its 2 C V H FLOPs (compute-bound from C ~ 1200 on an H100: 989e12 / 3.35e12 * 4 B), on a CPU small
-# enough to stay near the caches. FASTGRPO_CHUNK_TOKENS overrides both.
+# enough to stay near the caches, but never under CPU_MIN_CHUNK_TOKENS rows: a CPU GEMM packs the whole [V, H] weight
+# for every call, a cost that only enough rows amortise (measured, 1 thread, H 1024, V 151936, fp32: 55-row chunks
+# made token_logprobs 1.60x one GEMM and the loss's forward + backward 1.85x its 3 GEMMs; 256 rows, 1.13x and 1.40x).
+# FASTGRPO_CHUNK_TOKENS overrides both.
 CUDA_CHUNK_BYTES = 2 * 2**30
 CPU_CHUNK_BYTES = 32 * 2**20
+CPU_MIN_CHUNK_TOKENS = 256
 
 
 def chunk_tokens(V: int, device: torch.device) -> int:
-    """Tokens per chunk: fp32 logits of at most the device's CHUNK_BYTES (dZ in bf16 adds half of that on CUDA)."""
+    """Tokens per chunk: fp32 logits of at most the device's CHUNK_BYTES (dZ in bf16 adds half of that on CUDA), and on
+    a CPU at least CPU_MIN_CHUNK_TOKENS."""
     override = os.environ.get("FASTGRPO_CHUNK_TOKENS")
     if override:
         if not override.isdigit() or int(override) < 1:
@@ -43,7 +48,7 @@ def chunk_tokens(V: int, device: torch.device) -> int:
         return int(override)
     if device.type == "cuda":
         return max(128, CUDA_CHUNK_BYTES // (6 * V) // 128 * 128)
-    return max(1, CPU_CHUNK_BYTES // (4 * V))
+    return max(CPU_MIN_CHUNK_TOKENS, CPU_CHUNK_BYTES // (4 * V))
 
 
 def _torch_version() -> tuple[int, int]:

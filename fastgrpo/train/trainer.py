@@ -87,7 +87,8 @@ class Trainer:
         self.config = config
         self.world = distributed.current(config.ddp_timeout, join_alone=config.parallelism is not None)
         self.device = torch.device(device) if device is not None else distributed.device(self.world)
-        grouped = self.world.size > 1 or torch.distributed.is_initialized()
+        # One process shards or wraps itself only when asked to (--parallelism under torchrun: FSDP2 on one GPU).
+        grouped = self.world.size > 1 or (config.parallelism is not None and torch.distributed.is_initialized())
         self.parallelism = (config.parallelism or "fsdp") if grouped else None
         self.output_dir = self.world.broadcast(_output_dir(config))  # the default's date-time: rank 0's
         self.folder = RunDir(self.output_dir)

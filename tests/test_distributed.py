@@ -93,7 +93,8 @@ def assert_same_parameters(a: dict, b: dict) -> None:
 CASES = {  # name: (assets fixture, options)
     # dapo's loss is a sum over shares (x K), its entropy bonus a token mean (x the share's token fraction)
     "dapo-kl-entropy": ("tied", dict(loss_type="dapo", beta=0.04, entropy_coef=0.01)),
-    "grpo": ("tied", dict(loss_type="grpo", beta=0.0)),
+    # one held-out prompt: rank 1 evaluates nothing, yet joins FSDP2's all-gathers for the sampling round
+    "grpo": ("tied", dict(loss_type="grpo", beta=0.0, eval_num_samples=1)),
     # bnpo: a token mean; sequence-level ratios (clip metrics averaged over samples); truncated completions masked
     "bnpo-sequence": ("tied", dict(loss_type="bnpo", entropy_coef=0.01, importance_sampling_level="sequence",
                                    mask_truncated_completions=True)),

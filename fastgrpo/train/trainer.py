@@ -253,9 +253,9 @@ class Trainer:
         """This rank's slice of the prompt groups, sampled with each group's own random stream (its index in
         `prompts`), so that the round is the same for any number of processes: [groups of this rank][n]."""
         share = self.world.share(len(prompts))
-        if not share:
-            return []
-        with distributed.unsharded(self.policy):
+        with distributed.unsharded(self.policy):  # FSDP2's all-gathers: every rank joins, even one without a group
+            if not share:  # more processes than prompts (a small held-out set)
+                return []
             return self.engine.generate([prompts[i] for i in share], n=n, params=params, group_ids=list(share))
 
     def train_step(self) -> dict:
@@ -436,9 +436,12 @@ class Trainer:
         with self.world.together("evaluation"):
             outputs = self._generate(self.eval_prompts.token_ids, 1, params)
             share = self.world.share(len(self.eval_prompts.rows))
-            texts = self.tokenizer.batch_decode([group[0].token_ids for group in outputs], skip_special_tokens=True)
-            answers = [self.eval_prompts.rows[i][config.answer_column] for i in share]
-            correct = sum(accuracy([self.eval_prompts.texts[i] for i in share], texts, answers)) if texts else 0.0
+            correct = 0.0
+            if outputs:  # (batch_decode of no sequences is not an empty list)
+                texts = self.tokenizer.batch_decode([group[0].token_ids for group in outputs],
+                                                    skip_special_tokens=True)
+                answers = [self.eval_prompts.rows[i][config.answer_column] for i in share]
+                correct = sum(accuracy([self.eval_prompts.texts[i] for i in share], texts, answers))
         return sum(self.world.gather(correct)) / len(self.eval_prompts.rows)
 
     def save(self) -> Path:

@@ -1,4 +1,4 @@
-"""fastgrpo: fused GRPO loss kernels and a lean single-GPU GRPO trainer."""
+"""fastgrpo: fused GRPO loss kernels and a lean GRPO trainer for one GPU node (one GPU, or several with torchrun)."""
 
 from fastgrpo.loss import GRPOLoss, LossConfig, fused_grpo_loss, grpo_loss, token_logprobs
 

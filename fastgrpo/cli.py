@@ -10,7 +10,7 @@ DEFAULT_SUITE = "loss"
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="fastgrpo", description="fastgrpo: fast, lean GRPO on one GPU")
+    parser = argparse.ArgumentParser(prog="fastgrpo", description="fastgrpo: fast, lean GRPO on one GPU node")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a causal LM with GRPO (built-in default task without options)",
                                 description=train_cli.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)

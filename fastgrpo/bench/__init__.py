@@ -33,6 +33,14 @@ SHAPES = {  # Qwen2 model shapes (random weights) of the sampling and TRL-step s
 }  # fmt: skip
 
 
+def add_device_arguments(parser: argparse.ArgumentParser, shape: str | None = None) -> None:
+    """--device and --dtype, which every suite takes, and with `shape` (its help text) --shape."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on cuda, fp32 on cpu")
+    if shape is not None:
+        parser.add_argument("--shape", choices=tuple(SHAPES), help=shape)
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

@@ -431,8 +431,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="CPU smoke run, well under 2 minutes: heads " + ", ".join(QUICK["heads"]) +
                              f", N {QUICK['tokens']}, fp32, beta {QUICK['betas']}, 1 thread")
-    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    parser.add_argument("--dtype", choices=tuple(harness.DTYPES), help="default: bf16 on cuda, fp32 on cpu")
+    harness.add_device_arguments(parser)
     parser.add_argument("--heads", nargs="+", choices=tuple(HEADS), help=f"lm heads (default: {', '.join(GPU_HEADS)})")
     parser.add_argument("--tokens", nargs="+", type=int, help=f"tokens N per case (default: {GPU_TOKENS})")
     parser.add_argument("--beta", nargs="+", type=float, help="KL coefficients (default: 0 0.04)")

@@ -177,9 +177,7 @@ def default_workload(device: str, quick: bool, overhead: bool = False) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a few seconds on a CPU: tiny model, 2 x 4 x 16 tokens")
-    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    parser.add_argument("--dtype", choices=tuple(harness.DTYPES), help="default: bf16 on cuda, fp32 on cpu")
-    parser.add_argument("--shape", choices=tuple(harness.SHAPES), help="model shape (random weights)")
+    harness.add_device_arguments(parser, shape="model shape (random weights)")
     parser.add_argument("--overhead", action="store_true",
                         help="the sampler's own cost per step: negligible model, P = 8, 64, 256, G = 8, 64 new tokens")
     parser.add_argument("--prompts", type=int, nargs="+", help="number(s) of prompts P (one run per number)")

@@ -326,9 +326,7 @@ def default_workload(quick: bool) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a few seconds on a CPU: tiny model, 2 prompts x G 4, prompt 16, up to 24 new tokens")
-    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    parser.add_argument("--dtype", choices=tuple(harness.DTYPES), help="default: bf16 on cuda, fp32 on cpu")
-    parser.add_argument("--shape", choices=tuple(harness.SHAPES), help="model shape (random weights; default tiny)")
+    harness.add_device_arguments(parser, shape="model shape (random weights; default tiny)")
     parser.add_argument("--prompts", type=int, help="prompts per step P (default 8)")
     parser.add_argument("--group-size", type=int, help="completions per prompt G (default 8)")
     parser.add_argument("--prompt-len", type=int, help="tokens per prompt (default 128)")

@@ -151,9 +151,7 @@ def default_workload(device: str, quick: bool) -> dict:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a few seconds on a CPU: tiny model, 2 x 16 tokens")
-    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
-    parser.add_argument("--dtype", choices=tuple(harness.DTYPES), help="default: bf16 on cuda, fp32 on cpu")
-    parser.add_argument("--shape", choices=tuple(harness.SHAPES), help="model shape (random weights)")
+    harness.add_device_arguments(parser, shape="model shape (random weights)")
     parser.add_argument("--completions", type=int, help="completions in the micro-batch B")
     parser.add_argument("--prompt-len", type=int, help="prompt tokens per completion")
     parser.add_argument("--completion-len", type=int, help="tokens per completion T (all scored)")

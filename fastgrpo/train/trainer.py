@@ -174,12 +174,12 @@ class Trainer:
         self.order = PromptOrder(len(self.train_prompts.rows), config.seed)
         self.step, self.num_tokens, self.seconds, self.initial_accuracy = 0, 0, 0.0, None
         if resume_from is not None:
+            plain = not sharded and self.parallelism != "fsdp"  # optimizer.pt into unsharded parameters
             if sharded:
                 checkpoint.load_sharded(resume_from, self.model, self.optimizer)
-            elif self.parallelism == "fsdp":
+            elif not plain:
                 checkpoint.load_full_optimizer(resume_from, self.model, self.optimizer)
-            state = checkpoint.load_state(resume_from, None if sharded or self.parallelism == "fsdp"
-                                          else self.optimizer, self.scheduler)
+            state = checkpoint.load_state(resume_from, self.optimizer if plain else None, self.scheduler)
             self.step, self.num_tokens, self.seconds = state["step"], state["num_tokens"], state["seconds"]
             self.initial_accuracy = state["initial_accuracy"]
             self.order.load_state_dict(state["data"])
@@ -415,7 +415,7 @@ class Trainer:
             out |= {i: row[: len(rollout.completion_ids[i])].float().cpu() for row, i in zip(logps, mb.index,
                                                                                                  strict=True)}
         module.train(was_training)
-        for part in self.world.gather(out) if K > 1 else ():
+        for part in self.world.gather(out):  # one process: its own
             out |= part
         return [out[i] for i in range(len(rollout))]
 
@@ -456,7 +456,8 @@ class Trainer:
 
 
 # Metrics of a micro-batch that are not a mean over its loss tokens: how the shares of a global micro-batch combine.
-SUMMED = ("loss", "policy_loss", "grad_norm")  # already scaled per share (grad_norm: the same on every rank)
+SUMMED = ("loss", "policy_loss")  # already scaled per share
+SAME = ("grad_norm",)  # the same on every rank
 SEQUENCE_LEVEL = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")
 
 
@@ -469,7 +470,7 @@ def merge_metrics(parts: list[tuple[dict, list]], sequence_level: bool) -> dict[
     merged = {}
     for key in parts[0][0]:
         columns = list(zip(*(values[key] for values, _ in parts), strict=True))  # per micro-batch, per rank
-        if key == "grad_norm":
+        if key in SAME:
             merged[key] = [column[0] for column in columns]
         elif key in SUMMED:
             merged[key] = [sum(column) for column in columns]

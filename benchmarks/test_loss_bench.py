@@ -13,13 +13,13 @@ import importlib.util
 import pytest
 import torch
 
-from fastgrpo.bench.loss import Case, Settings, floor_backward, forward_fn, loss_fn, make_inputs
+from fastgrpo.bench.loss import FLOORS, Case, Settings, floor_backward, floor_logits, forward_fn, loss_fn, make_inputs
 
 pytest.importorskip("pytest_benchmark")
 
 HEAD, TOKENS, BETA = "cpu-h128-v16384", 512, 0.04
 SETTINGS = Settings(device="cpu", dtype="fp32", repeats=1, warmup=0, threads=1)
-METHODS = ["fastgrpo", "reference", "torch_lce", "floor", "floor4"] + [m for m, pkg in (("trl", "trl"),
+METHODS = ["fastgrpo", "reference", "torch_lce", *FLOORS] + [m for m, pkg in (("trl", "trl"),
                                                                                          ("liger", "liger_kernel"))
                                                 if importlib.util.find_spec(pkg) is not None]
 
@@ -43,9 +43,9 @@ def test_forward(benchmark, method):
 @pytest.mark.parametrize("method", METHODS)
 def test_full(benchmark, method):
     inp = make_inputs(Case(HEAD, TOKENS, BETA, "full"), SETTINGS)
-    if method in ("floor", "floor4"):  # the 3-GEMM floor keeps z from its forward, floor4 recomputes it
-        forward = forward_fn("floor", BETA, torch.device("cpu"))
-        step = lambda: floor_backward(inp, forward(inp)) if method == "floor" else (forward(inp), floor_backward(inp))
+    if method in FLOORS:  # the 3-GEMM floors keep z from their forward, floor4 recomputes it
+        step = lambda: (floor_backward(inp, floor_logits(inp, method), method) if method != "floor4"
+                        else (floor_logits(inp), floor_backward(inp)))
     else:
         loss = loss_fn(method, BETA, torch.device("cpu"))
         step = lambda: loss(inp).backward()
@@ -56,7 +56,7 @@ def test_full(benchmark, method):
     benchmark.pedantic(step, setup=clear_grads, rounds=5, warmup_rounds=1)
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if not m.startswith("floor")])
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in FLOORS])
 def test_backward(benchmark, method):
     inp = make_inputs(Case(HEAD, TOKENS, BETA, "backward"), SETTINGS)
     loss = loss_fn(method, BETA, torch.device("cpu"))

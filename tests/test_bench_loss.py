@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fastgrpo.bench.loss import GEMMS, HEADS, Case, flop_count, main, valid_tokens
+from fastgrpo.bench.loss import FLOORS, GEMMS, HEADS, Case, flop_count, main, valid_tokens
 
 ROOT = str(Path(__file__).resolve().parents[1])  # run the checkout's fastgrpo in the child, not an installed one
 
@@ -26,7 +26,7 @@ def close(value, expected, rel):
 
 def test_bench_loss_tiny_writes_results_and_agrees_with_reference(tmp_path):
     pytest.importorskip("matplotlib")
-    methods = ["fastgrpo", "reference", "torch_lce", "floor", "floor4"] + (["trl"] if _installed("trl") else [])
+    methods = ["fastgrpo", "reference", "torch_lce", *FLOORS] + (["trl"] if _installed("trl") else [])
     out = bench("--device", "cpu", "--heads", "cpu-h64-v4096", "--tokens", "80", "--beta", "0", "0.04",
                 "--repeats", "1", "--warmup", "0", "--threads", "1", "--rounds", "2", "--methods", *methods, "liger",
                 "fused", "--out-dir", str(tmp_path), cwd=tmp_path)
@@ -45,13 +45,13 @@ def test_bench_loss_tiny_writes_results_and_agrees_with_reference(tmp_path):
             assert row[key] is not None, key
     # 3 modes x 2 betas per loss method, 3 modes per floor (no loss, so no beta); the fused kernels time on CUDA only
     liger_installed = _installed("liger_kernel")
-    loss_methods = [m for m in methods if not m.startswith("floor")] + (["liger"] if liger_installed else [])
-    assert sorted(r["method"] for r in rows) == sorted(loss_methods * 6 + ["floor"] * 3 + ["floor4"] * 3)
+    loss_methods = [m for m in methods if m not in FLOORS] + (["liger"] if liger_installed else [])
+    assert sorted(r["method"] for r in rows) == sorted(loss_methods * 6 + [*FLOORS] * 3)
     assert liger_installed or "liger: skipped, liger_kernel is not installed" in md_path.read_text()
     assert "fused: skipped, the fused Triton kernels time only on CUDA" in md_path.read_text()
     reference = {(r["beta"], r["mode"]): r for r in rows if r["method"] == "reference"}
     for row in rows:
-        if row["method"] in ("reference", "floor", "floor4"):
+        if row["method"] in ("reference", *FLOORS):
             continue
         ref = reference[row["beta"], row["mode"]]
         # fp32 on a CPU: the chunked paths and the full-logit reference differ by summation order only (~1e-7
@@ -67,6 +67,7 @@ def test_bench_loss_tiny_writes_results_and_agrees_with_reference(tmp_path):
             assert close(row["grad_weight_norm"], ref["grad_weight_norm"], 1e-4), (row, ref)
         if row["method"] == "fastgrpo":
             assert row["time_vs_floor"] > 0 and row["time_vs_floor4"] > 0 and row["time_vs_reference"] > 0
+            assert row["time_vs_linear"] > 0
             assert row["time_vs_torch_lce"] > 0
     assert "| fastgrpo |" in md_path.read_text() and "| floor |" in out.stdout
 
@@ -83,7 +84,24 @@ def test_bench_loss_flop_formulas():
     assert flop_count("fastgrpo", "backward", case) == 0
     assert flop_count("reference", "full", case) == 6 * 8192 * H * V
     assert flop_count("floor", "forward", Case("qwen2.5-7b", 8192, None, "forward")) == 2 * nv * H * V
-    assert set(GEMMS) == {"fastgrpo", "fused", "reference", "trl", "torch_lce", "liger", "floor", "floor4"}
+    assert set(GEMMS) == {"fastgrpo", "fused", "reference", "trl", "torch_lce", "liger", "floor", "floor4", "linear"}
+    assert GEMMS["linear"] == GEMMS["floor"]
+
+
+def test_bench_loss_floors_compute_the_same_logits(monkeypatch):
+    """The floors' vocab blocks on a CPU (several here) form the bare linear layer's z, and their GEMMs' results."""
+    import torch
+
+    from fastgrpo import chunked
+    from fastgrpo.bench.loss import Settings, _blocked_gemm, floor_backward, floor_logits, make_inputs
+
+    monkeypatch.setattr(chunked, "CPU_BLOCK_BYTES", 1)  # blocks of 128 columns
+    inp = make_inputs(Case("cpu-h64-v4096", 80, 0.0, "full"), Settings("cpu", "fp32", 1, 0, 1))
+    z = floor_logits(inp, "linear")
+    assert torch.allclose(floor_logits(inp), z, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(_blocked_gemm(inp), z[:, -128:], rtol=1e-6, atol=1e-6)
+    for got, want in zip(floor_backward(inp), floor_backward(inp, z, "linear"), strict=True):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("args, message", [

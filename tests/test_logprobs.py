@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import assert_close, assert_no_worse, leaf, make_head
 
-from fastgrpo import reference
+from fastgrpo import chunked, reference
 from fastgrpo.loss import token_logprobs
 
 # (backend, dtype) pairs that run on CPU; the interpreter's tl.dot is only exact in fp32.
@@ -64,7 +64,32 @@ def test_logits_far_from_zero(monkeypatch, offset):
     sum underflows) or near the top of exp's range (it overflows at V terms) take the shifted form, exactly."""
     hidden, weight, bias, ids = make_head((6,), 16, 300, scale=1.0, bias=True)
     bias = bias + offset
+    shifted = chunked.STATS["shifted_stats_chunks"]
     _three_way(monkeypatch, "torch", torch.float32, hidden, weight, bias, ids, 1.0)
+    assert chunked.STATS["shifted_stats_chunks"] > shifted  # the no-grad pass's blocked sums went out of range
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_cpu_vocab_blocks(monkeypatch, dtype):
+    """A CPU forms each chunk's logits in vocab blocks (the no-grad pass consumes them block by block, the gradient
+    path writes them into its chunk): blocks of 128 columns and a short last one, chunks of 7 rows and a short last
+    one, every target's block hit; the same with a soft cap and a logit scale, without a gradient."""
+    monkeypatch.setattr(chunked, "CPU_BLOCK_BYTES", 1)  # the narrowest blocks: 128 columns
+    monkeypatch.setenv("FASTGRPO_CHUNK_TOKENS", "7")
+    assert [b.stop - b.start for b in chunked.vocab_blocks(7, 300)] == [128, 128, 44]
+    hidden, weight, bias, ids = make_head((23,), 16, 300, scale=4.0, bias=True)
+    ids[:3] = torch.tensor([0, 128, 299])  # the first and last columns of blocks
+    _three_way(monkeypatch, "torch", dtype, hidden, weight, bias, ids, 0.8)
+    monkeypatch.setenv("FASTGRPO_BACKEND", "torch")
+    with torch.no_grad():
+        logp, ent = token_logprobs(hidden.to(dtype), weight.to(dtype), ids, bias=bias.to(dtype), temperature=0.8,
+                                   return_entropy=True, logit_scale=1.5, logit_softcap=6.0)
+    truth = reference.token_logprobs(*(t.to(dtype).double() for t in (hidden, weight)), ids,
+                                     bias=bias.to(dtype).double(), temperature=0.8, return_entropy=True,
+                                     logit_scale=1.5, logit_softcap=6.0)
+    atol = 1e-9 if dtype == torch.float64 else 1e-4
+    assert_close("logp (softcap, scale)", logp, truth[0], atol=atol)
+    assert_close("entropy (softcap, scale)", ent, truth[1], atol=atol)
 
 
 def test_real_vocab_chunked(monkeypatch):

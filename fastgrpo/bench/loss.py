@@ -19,9 +19,14 @@ Methods (each in its own process, so no method sees another's compiled kernels o
              then the same loss math; it computes no entropy
   liger      liger_kernel's LigerFusedLinearGRPOLoss (when importable); it computes the gradients inside its
              forward, so its backward mode is a copy-out and its forward mode runs on detached inputs
-  floor      the bare torch matmuls of an exact method, no softmax: forward z = X W^T; backward dX = z W and
-             dW = z^T X (z stands in for dz: same shape, same cost): 3 GEMMs, a linear layer's forward + backward
+  floor      the bare GEMMs of an exact method, no softmax, each in the fastest form known on the device: forward
+             z = X W^T; backward dX = z W and dW = z^T X (z stands in for dz: same shape, same cost): 3 GEMMs, a
+             linear layer's forward + backward. On a GPU one cuBLAS GEMM each. On a CPU z is formed in vocab blocks
+             of ~2 MiB (fastgrpo.chunked.vocab_blocks: one GEMM writing all of z re-reads and re-writes it from
+             memory once per block of H, ~15-20% slower), and the forward mode keeps only one block at a time
   floor4     the same with the backward's recompute of z (4 GEMMs: the floor of a method that recomputes)
+  linear     a CPU only: PyTorch's bare linear layer as it runs, z = X W^T in one GEMM (+ dX, dW in full mode),
+             the floor before vocab blocks (on a GPU it is the floor)
 
 Modes: forward (no-grad logprobs, the old/ref pass), backward (the backward of the loss alone, after an untimed
 forward), full (forward + backward). Gradients are taken w.r.t. both hidden and the weight.
@@ -67,7 +72,7 @@ HEADS = {  # name: (hidden size H, vocab size V)
 GPU_HEADS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama-3-8b")
 GPU_TOKENS = (2048, 8192, 16384, 32768)
 QUICK = dict(heads=("cpu-h64-v4096", "cpu-h128-v16384"), tokens=(256, 2048), betas=(0.04,), repeats=3, warmup=1)
-METHODS = ("fastgrpo", "fused", "reference", "trl", "torch_lce", "liger", "floor", "floor4")
+METHODS = ("fastgrpo", "fused", "reference", "trl", "torch_lce", "liger", "floor", "floor4", "linear")
 MODES = ("forward", "backward", "full")
 MASKED_FRACTION = 0.1
 # GEMMs of [rows, H] x [H, V] per method and mode, rows being the valid tokens Nv ("valid") or all N ("all")
@@ -75,6 +80,7 @@ _RECOMPUTE = {"forward": (1, "valid"), "backward": (3, "valid"), "full": (4, "va
 GEMMS = {
     "fastgrpo": {"forward": (1, "valid"), "backward": (0, "valid"), "full": (3, "valid")},
     "floor": {"forward": (1, "valid"), "backward": (2, "valid"), "full": (3, "valid")},
+    "linear": {"forward": (1, "valid"), "backward": (2, "valid"), "full": (3, "valid")},
     "fused": _RECOMPUTE,
     "trl": _RECOMPUTE,
     "torch_lce": _RECOMPUTE,
@@ -82,8 +88,8 @@ GEMMS = {
     "reference": {"forward": (1, "valid"), "backward": (2, "all"), "full": (3, "all")},
     "liger": {"forward": (2, "all"), "backward": (0, "all"), "full": (4, "all")},
 }
-FLOORS = ("floor", "floor4")
-PEERS = ("floor", "floor4", "trl", "torch_lce", "liger", "fused", "reference")
+FLOORS = ("floor", "floor4", "linear")
+PEERS = ("floor", "floor4", "linear", "trl", "torch_lce", "liger", "fused", "reference")
 
 
 @dataclass(frozen=True)
@@ -243,15 +249,41 @@ def forward_fn(method: str, beta: float, device: torch.device):
     if method == "liger":
         liger = loss_fn("liger", beta, device)
         return lambda inp: liger(inp, inp.hidden.detach(), inp.weight.detach())
-    return lambda inp: inp.x_valid @ inp.weight.detach().T  # floor
+    if method == "floor" and device.type == "cpu":
+        return _blocked_gemm
+    return lambda inp: inp.x_valid @ inp.weight.detach().T  # floor on a GPU, linear
 
 
-def floor_backward(inp: Inputs, z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A floor's backward, the GEMMs of an exact method with no softmax: dX = z W [Nv, H] and dW = z^T X [V, H] (z
-    stands in for dz: same shape, same cost), from the forward's z = X W^T [Nv, V] (the 3-GEMM floor) or, with z None,
-    recomputing it (floor4); returns (dX, dW). With `forward_fn("floor", ...)` it makes a floor's full mode."""
+def _blocked_gemm(inp: Inputs) -> torch.Tensor:
+    """The forward floor on a CPU: X W^T one vocab block at a time into one reused buffer; returns the last block."""
+    from fastgrpo.chunked import vocab_blocks
+
     x, w = inp.x_valid, inp.weight.detach()
-    z = x @ w.T if z is None else z
+    blocks = vocab_blocks(x.shape[0], w.shape[0])
+    buffer = x.new_empty(x.shape[0], blocks[0].stop - blocks[0].start)
+    for cols in blocks:
+        z = torch.mm(x, w[cols].T, out=buffer[:, : cols.stop - cols.start])
+    return z
+
+
+def floor_logits(inp: Inputs, method: str = "floor") -> torch.Tensor:
+    """z = X W^T [Nv, V], materialized: the floors' in vocab blocks on a CPU (fastgrpo.chunked.chunk_logits, as
+    fastgrpo's chunks are formed), linear's (and a GPU's) in one GEMM."""
+    from fastgrpo.chunked import chunk_logits
+
+    x, w = inp.x_valid, inp.weight.detach()
+    if method == "linear" or x.is_cuda:
+        return x @ w.T
+    return chunk_logits(x, w, None, 1.0, out=x.new_empty(x.shape[0], w.shape[0]))
+
+
+def floor_backward(inp: Inputs, z: torch.Tensor | None = None, method: str = "floor") -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+    """A floor's backward, the GEMMs of an exact method with no softmax: dX = z W [Nv, H] and dW = z^T X [V, H] (z
+    stands in for dz: same shape, same cost), from the forward's z (floor, linear) or, with z None, recomputing it
+    (floor4); returns (dX, dW). After `floor_logits` it makes a floor's full mode."""
+    x, w = inp.x_valid, inp.weight.detach()
+    z = floor_logits(inp, method) if z is None else z
     return z @ w, z.T @ x
 
 
@@ -274,13 +306,13 @@ def measure_case(method: str, case: Case, settings: Settings) -> dict:
         elif method not in FLOORS:
             row["mean_logp"] = out.double().mean().item()
     elif method in FLOORS:
-        forward = forward_fn("floor", 0.0, device)
-        stored = method == "floor"  # the 3-GEMM floor keeps the forward's z; floor4 recomputes it
+        forward = lambda: floor_logits(inp, method)
+        stored = method != "floor4"  # the 3-GEMM floors keep the forward's z; floor4 recomputes it
         if case.mode == "backward":
-            z = forward(inp) if stored else None  # untimed
-            seconds, peak, _ = harness.time_call(lambda _: floor_backward(inp, z), device, **timing)
-        else:  # floor: forward, then dX and dW from its z; floor4: forward, then recompute z, dX and dW
-            step = lambda _: floor_backward(inp, forward(inp)) if stored else (forward(inp), floor_backward(inp))
+            z = forward() if stored else None  # untimed
+            seconds, peak, _ = harness.time_call(lambda _: floor_backward(inp, z, method), device, **timing)
+        else:  # forward, then dX and dW from its z; floor4: forward, then recompute z, dX and dW
+            step = lambda _: floor_backward(inp, forward(), method) if stored else (forward(), floor_backward(inp))
             seconds, peak, _ = harness.time_call(step, device, **timing)
     else:
         loss = loss_fn(method, case.beta, device)
@@ -355,6 +387,8 @@ def available(method: str, device: str) -> str | None:
     package = {"trl": "trl", "liger": "liger_kernel", "fused": "triton"}.get(method)
     if package and importlib.util.find_spec(package) is None:
         return f"{method}: skipped, {package} is not installed"
+    if method == "linear" and device == "cuda":
+        return "linear: skipped, on CUDA the floor is the bare linear layer (one cuBLAS GEMM)"
     if method == "fused" and device != "cuda":
         return "fused: skipped, the fused Triton kernels time only on CUDA (the CPU interpreter checks correctness)"
     if method == "torch_lce" and not hasattr(torch.nn, "LinearCrossEntropyOptions"):
@@ -505,7 +539,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     table = harness.markdown_table(rows, [
         ("head", "head", ""), ("N", "tokens", "d"), ("mode", "mode", ""), ("method", "method", ""),
         ("beta", "beta", "g"), ("ms", "ms", ".3f"), ("TFLOP/s", "tflops", ".3f"), ("peak MiB", "peak_mib", ".1f"),
-        ("/ floor", "time_vs_floor", ".2f"), ("/ floor4", "time_vs_floor4", ".2f"), ("/ TRL", "time_vs_trl", ".2f"),
+        ("/ floor", "time_vs_floor", ".2f"), ("/ floor4", "time_vs_floor4", ".2f"),
+        ("/ linear", "time_vs_linear", ".2f"), ("/ TRL", "time_vs_trl", ".2f"),
         ("/ torch", "time_vs_torch_lce", ".2f"), ("/ Liger", "time_vs_liger", ".2f"),
         ("/ fused", "time_vs_fused", ".2f"),
         ("/ reference", "time_vs_reference", ".2f"), ("mem / TRL", "memory_vs_trl", ".2f"),

@@ -112,14 +112,38 @@ def test_chunk_size_does_not_change_the_result(monkeypatch, level):
 
 
 class CountMatmuls(TorchDispatchMode):
+    """Matmul calls, and the FLOPs of the 2-D ones (2 M K N)."""
+
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.count = self.flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.bmm):
+        packet = func.overloadpacket
+        if packet in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_, torch.ops.aten.bmm):
             self.count += 1
+            if packet is not torch.ops.aten.bmm:
+                a, b = args[-2:] if packet is torch.ops.aten.mm else args[1:3]
+                self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
         return func(*args, **(kwargs or {}))
+
+
+def test_no_grad_runs_one_gemm_of_flops_in_vocab_blocks(monkeypatch):
+    """A CPU forms logits in vocab blocks (here several per chunk): more calls, the FLOPs of one GEMM (no-grad)
+    and of three (training) over the valid tokens."""
+    monkeypatch.setattr(chunked, "CPU_BLOCK_BYTES", 1)  # 128-column blocks
+    p = make_problem()  # V 150: blocks of 128 and 22 columns
+    N, (V, H) = int((p["mask"] != 0).sum()), p["weight"].shape
+    gemm = 2 * N * H * V
+    x, w = leaf(p["hidden"], torch.float32), leaf(p["weight"], torch.float32)
+    args, kwargs = (p["ids"], p["mask"], p["adv"]), dict(old_logps=p["old"], ref_logps=p["ref"], config=CONFIG)
+    with torch.no_grad(), CountMatmuls() as counter:
+        fused_grpo_loss(x, w, *args, **kwargs)
+    assert counter.flops == gemm and counter.count > 1
+    with CountMatmuls() as counter:
+        loss, _ = fused_grpo_loss(x, w, *args, **kwargs)
+        loss.backward()
+    assert counter.flops == 3 * gemm
 
 
 def test_no_grad_runs_one_gemm_per_chunk_and_training_three(monkeypatch):

@@ -172,7 +172,8 @@ def summary_line(summary: dict, config: TrainConfig) -> str:
     else:
         accuracy_text = (f"held-out accuracy {summary['initial_accuracy']:.1%} -> {summary['final_accuracy']:.1%} "
                          f"(pass@1, {how}, {summary['eval_prompts']} held-out prompts)")
-    return (f"fastgrpo: {accuracy_text}; {summary['steps']} steps in {summary['seconds']:.0f} s; "
+    steps = f"{summary['steps']} step" + ("" if summary["steps"] == 1 else "s")
+    return (f"fastgrpo: {accuracy_text}; {steps} in {summary['seconds']:.0f} s; "
             f"run in {summary['output_dir']}")
 
 

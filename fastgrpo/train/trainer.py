@@ -207,17 +207,21 @@ class Trainer:
 
     def train(self) -> dict:
         """Trains to max_steps; the output folder's lock is released when this returns or raises."""
+        # The model, data and libraries loaded so far live for the whole run: moved out of the collector's reach, a
+        # full collection (triggered by the lists each sampling call returns) no longer re-scans them (~0.3 s with
+        # transformers loaded on a slow CPU). They go back afterwards (unless the caller had frozen objects itself):
+        # frozen objects are never freed at exit, and triton's bindings then report them as leaks.
+        unfreeze = gc.get_freeze_count() == 0
+        gc.freeze()
         try:
             return self._train()
         finally:
+            if unfreeze:
+                gc.unfreeze()
             self.folder.release()
 
     def _train(self) -> dict:
         config = self.config
-        # The model, data and libraries loaded so far live for the whole run: moved out of the collector's reach, a
-        # full collection (triggered by the lists each sampling call returns) no longer re-scans them (~0.3 s with
-        # transformers loaded on a slow CPU).
-        gc.freeze()
         if self.step == 0:
             self.initial_accuracy = self.evaluate()
             self.log.log(0, {"eval/accuracy": self.initial_accuracy})

@@ -201,7 +201,8 @@ class ChunkBuffers:
         shape, dtype = (min(chunk, x.shape[0]), V), torch.promote_types(x.dtype, torch.float32)
         # CUDA: cuBLAS writes each chunk's Z and the Triton passes need no second buffer (the caching allocator
         # reuses the chunk's memory); a CPU reuses these two.
-        self.z, self.e = (None, None) if x.is_cuda else (torch.empty(shape, dtype=dtype) for _ in range(2))
+        empty = lambda: torch.empty(shape, dtype=dtype, device=x.device)
+        self.z, self.e = (None, None) if x.is_cuda else (empty(), empty())
 
     def rows(self, x_c, w, bias, logits: LogitMap, ids, entropy=True, grad=True):
         """The chunk's logits and row statistics (ready for their gradient unless grad=False); entropy=False
@@ -249,7 +250,7 @@ def cpu_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent=None):
     chunk = stats_chunk_tokens(V, x.device)
     blocks = vocab_blocks(min(chunk, N), V)
     width = blocks[0].stop - blocks[0].start
-    z_buf = torch.empty(min(chunk, N), width, dtype=w.dtype)  # [C, width]
+    z_buf = torch.empty(min(chunk, N), width, dtype=w.dtype, device=x.device)  # [C, width]
     e_buf = torch.empty_like(z_buf) if ent is not None else None
     finfo = torch.finfo(w.dtype)
     for start in range(0, N, chunk):

@@ -326,7 +326,7 @@ class Trainer:
             "sampling/preemptions": sum(part[3] for part in parts),
             **timer.metrics(),
             "tokens_per_second": float(lengths.sum()) / timer.total,
-            "peak_memory_gib": peak_memory(self.device) / 2**30,
+            "peak_memory_gib": max(self.world.gather(peak_memory(self.device) / 2**30)),  # the fullest process's
         }
 
     def _score(self, prompts: list[int], outputs: list[list]) -> tuple[torch.Tensor, torch.Tensor]:

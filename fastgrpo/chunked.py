@@ -145,6 +145,15 @@ def chunk_logits(x_c, weight, bias, inv_t, out=None):
     return z
 
 
+def unshifted_in_range(s: torch.Tensor) -> bool:
+    """Whether the rows' sums s = sum_v exp(z_v) [C] allow the row passes without the max subtracted: every s far
+    above the smallest normal number (an exp that underflows then weighs less than the sum's rounding) and at most
+    finfo.max / 1024, so that t = sum_v exp(z_v) z_v stays finite too (a logit above 0 is at most log s, under 710
+    in fp64; below 0, exp(z) |z| < 1)."""
+    finfo = torch.finfo(s.dtype)
+    return bool(((s >= finfo.tiny / finfo.eps) & (s <= finfo.max / 1024)).all())
+
+
 class TorchRows:
     """The row passes over one chunk of logits in PyTorch. Z is consumed (it ends as scratch) and the gradient is
     written over exp(Z - rowmax), in `e_out` when given, so a chunk costs Z plus one more [C, V] buffer, both
@@ -157,14 +166,12 @@ class TorchRows:
             if keep_cap_grad:
                 self.cap_grad = 1 - th * th
             z = th.mul_(softcap)
-        # exp(z) needs no max subtracted while every row's sum stays finite and far above the smallest normal
-        # number (then an exp that underflows weighs less than the sum's rounding): two passes over Z saved; rows
-        # outside that range (logits above ~80, or all far below 0) take the shifted form.
+        # exp(z) needs no max subtracted while every row's sum stays in range (unshifted_in_range): two passes over
+        # Z saved; rows outside it (logits above ~80, or all far below 0) take the shifted form.
         self.e = torch.exp(z, out=e_out) if e_out is not None else torch.exp(z)  # [C, V]: exp(z - m), m = 0
         self.s = self.e.sum(-1)  # [C]
         m = None
-        finfo = torch.finfo(z.dtype)
-        if not bool(((self.s >= finfo.tiny / finfo.eps) & (self.s <= finfo.max)).all()):
+        if not unshifted_in_range(self.s):
             m = z.amax(-1, keepdim=True)  # [C, 1]
             z -= m
             torch.exp(z, out=self.e)
@@ -252,7 +259,6 @@ def cpu_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent=None):
     width = blocks[0].stop - blocks[0].start
     z_buf = torch.empty(min(chunk, N), width, dtype=w.dtype, device=x.device)  # [C, width]
     e_buf = torch.empty_like(z_buf) if ent is not None else None
-    finfo = torch.finfo(w.dtype)
     for start in range(0, N, chunk):
         sl = slice(start, min(start + chunk, N))
         x_c, ids_c = x[sl].to(w.dtype), ids[sl]  # [C, H], [C]
@@ -275,7 +281,7 @@ def cpu_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent=None):
                 e = torch.exp(z, out=e_buf[:C, : z.shape[1]])
                 s += e.sum(-1)
                 t += e.mul_(z).sum(-1)
-        if not bool(((s >= finfo.tiny / finfo.eps) & (s <= finfo.max)).all()):
+        if not unshifted_in_range(s):
             _shifted_row_stats(x, w, bias, ids, logits, logp, ent, sl)
             continue
         log_s = s.log()

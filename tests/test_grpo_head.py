@@ -170,6 +170,15 @@ def test_no_grad_runs_one_gemm_per_chunk_and_training_three(monkeypatch):
     assert counter.count == 2 * chunks
 
 
+@pytest.mark.parametrize("offset", [74.0, 85.0])
+def test_large_logits_keep_the_loss_finite(monkeypatch, offset):
+    """Logits near the top of exp's fp32 range (a uniform shift: the log-softmax, so old/ref logps, unchanged): the
+    training path's unshifted passes give way to the shifted ones before the entropy's sum of exp(z) z overflows."""
+    p = make_problem()
+    p["bias"] = p["bias"] + offset
+    check(monkeypatch, "torch", torch.float32, p, LossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01))
+
+
 def test_no_grad_loss_equals_the_training_loss():
     p = make_problem()
     x, w = leaf(p["hidden"], torch.float64), leaf(p["weight"], torch.float64)

@@ -58,14 +58,16 @@ def test_extreme_logits(monkeypatch, backend, dtype):
     assert_close("uniform row entropy", ent[3:4], torch.tensor([torch.log(torch.tensor(200.0))]), atol=1e-5)
 
 
-@pytest.mark.parametrize("offset", [-300.0, 85.0])
-def test_logits_far_from_zero(monkeypatch, offset):
+@pytest.mark.parametrize("offset,dtype", [(-300.0, torch.float32), (85.0, torch.float32), (78.0, torch.float32),
+                                          (700.0, torch.float64)])
+def test_logits_far_from_zero(monkeypatch, offset, dtype):
     """The CPU row passes skip the max subtraction while exp(z) sums stay in range: logits all far below zero (the
-    sum underflows) or near the top of exp's range (it overflows at V terms) take the shifted form, exactly."""
+    sum underflows), near the top of exp's range (it overflows at V terms), or just under it (the sum is finite but
+    the entropy's sum of exp(z) z would overflow) take the shifted form, exactly."""
     hidden, weight, bias, ids = make_head((6,), 16, 300, scale=1.0, bias=True)
     bias = bias + offset
     shifted = chunked.STATS["shifted_stats_chunks"]
-    _three_way(monkeypatch, "torch", torch.float32, hidden, weight, bias, ids, 1.0)
+    _three_way(monkeypatch, "torch", dtype, hidden, weight, bias, ids, 1.0)
     assert chunked.STATS["shifted_stats_chunks"] > shifted  # the no-grad pass's blocked sums went out of range
 
 

@@ -249,7 +249,7 @@ def forward_fn(method: str, beta: float, device: torch.device):
     if method == "liger":
         liger = loss_fn("liger", beta, device)
         return lambda inp: liger(inp, inp.hidden.detach(), inp.weight.detach())
-    if method == "floor" and device.type == "cpu":
+    if method in ("floor", "floor4") and device.type == "cpu":
         return _blocked_gemm
     return lambda inp: inp.x_valid @ inp.weight.detach().T  # floor on a GPU, linear
 

@@ -83,7 +83,7 @@ def _check_same_device(ref_name, ref, **tensors):
             raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; expected the same device")
 
 
-def _check_head(hidden, weight, bias, token_ids, valid=None):
+def _check_head(hidden, weight, bias, token_ids, valid=None) -> torch.Tensor:
     _check_float("hidden", hidden)
     _check_float("weight", weight, ndim=2)
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
@@ -105,8 +105,9 @@ def _check_head(hidden, weight, bias, token_ids, valid=None):
         raise ValueError(f"token_ids must have shape {tuple(hidden.shape[:-1])} (hidden's leading dims), "
                          f"got {tuple(token_ids.shape)}")
     _check_same_device("hidden", hidden, weight=weight, bias=bias, token_ids=token_ids)
+    token_ids = token_ids.long()  # any integer dtype (uint8 ids would wrap in a comparison with V)
     if torch.compiler.is_compiling():
-        return  # the range check reads the ids
+        return token_ids  # the range check reads the ids
     V = weight.shape[0]
     out_of_range = (token_ids < 0) | (token_ids >= V)
     if valid is not None:
@@ -114,6 +115,7 @@ def _check_head(hidden, weight, bias, token_ids, valid=None):
     if out_of_range.any():
         bad = token_ids[out_of_range][:5].tolist()
         raise ValueError(f"token_ids must lie in [0, {V}) on valid tokens; found {bad}")
+    return token_ids
 
 
 def _check_temperature(temperature):
@@ -209,7 +211,7 @@ def token_logprobs(hidden, weight, token_ids, *, bias=None, temperature=1.0, ret
     its `logit_softcap` caps them (`softcap * tanh(logits / softcap)`) before the temperature, as in
     `fastgrpo.reference.token_logprobs`.
     """
-    _check_head(hidden, weight, bias, token_ids)
+    token_ids = _check_head(hidden, weight, bias, token_ids)
     logits = _check_logit_map(temperature, logit_scale, logit_softcap)
     backend = resolve_backend(hidden.device)
     if backend == "reference":
@@ -303,7 +305,7 @@ def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages,
     _check_loss_inputs("hidden", hidden, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch,
                        importance_weights)
     valid = completion_mask != 0
-    _check_head(hidden, weight, bias, completion_ids, valid)
+    completion_ids = _check_head(hidden, weight, bias, completion_ids, valid)
     backend = resolve_backend(hidden.device)
     if backend == "reference":
         return reference.fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias=bias,

@@ -141,3 +141,23 @@ def test_frozen_weight_or_hidden(monkeypatch, backend):
             assert (w if frozen == "weight" else x).grad is None
             live = "hidden" if frozen == "weight" else "weight"
             assert torch.equal((x if live == "hidden" else w).grad, want[live]), live
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("ids_dtype", [torch.uint8, torch.int16, torch.int32])
+def test_any_integer_ids(monkeypatch, backend, ids_dtype):
+    """Token ids of any integer dtype give what int64 ids give (uint8 ids against a vocabulary of 300 once wrapped
+    in the range check and were refused)."""
+    from fastgrpo.loss import LossConfig, fused_grpo_loss
+
+    monkeypatch.setenv("FASTGRPO_BACKEND", backend)
+    hidden, weight, _, ids = make_head((2, 5), 16, 300, scale=2.0, dtype=torch.float32)
+    ids = ids % 256
+    want = token_logprobs(hidden, weight, ids, return_entropy=True)
+    got = token_logprobs(hidden, weight, ids.to(ids_dtype), return_entropy=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    mask, adv = torch.ones(2, 5), torch.tensor([1.0, -1.0])
+    config = LossConfig(loss_type="dapo", beta=0.0)
+    want = fused_grpo_loss(hidden, weight, ids, mask, adv, config=config)[0]
+    got = fused_grpo_loss(hidden, weight, ids.to(ids_dtype), mask, adv, config=config)[0]
+    assert torch.equal(got, want)

@@ -66,12 +66,10 @@ def chunk_tokens(V: int, device: torch.device) -> int:
 
 
 def stats_chunk_tokens(V: int, device: torch.device) -> int:
-    """Tokens per chunk of a no-grad pass: chunk_tokens on CUDA, at least CPU_STATS_CHUNK_TOKENS on a CPU (which keeps
-    only a vocab block of logits at a time); FASTGRPO_CHUNK_TOKENS overrides both."""
+    """Tokens per chunk of a CPU's no-grad pass (cpu_row_stats, which holds only a vocab block of logits at a time):
+    at least CPU_STATS_CHUNK_TOKENS, unless FASTGRPO_CHUNK_TOKENS says otherwise."""
     chunk = chunk_tokens(V, device)
-    if device.type == "cuda" or os.environ.get("FASTGRPO_CHUNK_TOKENS"):
-        return chunk
-    return max(chunk, CPU_STATS_CHUNK_TOKENS)
+    return chunk if os.environ.get("FASTGRPO_CHUNK_TOKENS") else max(chunk, CPU_STATS_CHUNK_TOKENS)
 
 
 def vocab_blocks(C: int, V: int) -> list[slice]:
@@ -227,24 +225,30 @@ class ChunkBuffers:
 def logprobs_no_grad(x, weight, bias, ids, logits: LogitMap, entropy=True):
     """x [N, H], ids [N] -> (logp [N], entropy [N] or None), at least fp32: one GEMM and the row statistics per
     chunk (on a CPU per vocab block of a chunk, cpu_row_stats)."""
-    N, V = x.shape[0], weight.shape[0]
+    N = x.shape[0]
     out_dtype = torch.promote_types(x.dtype, torch.float32)
     logp = torch.empty(N, dtype=out_dtype, device=x.device)
     ent = torch.empty(N, dtype=out_dtype, device=x.device) if entropy else None
     w = gemm_weight(x, weight)
-    if not x.is_cuda:
+    if x.is_cuda:
+        chunked_row_stats(x, w, bias, ids, logits, logp, ent, slice(0, N))
+    else:
         cpu_row_stats(x, w, bias, ids, logits, logp, ent)
-        return logp, ent
-    chunk = chunk_tokens(V, x.device)
-    buffers = ChunkBuffers(x, V, chunk)
-    for start in range(0, N, chunk):
-        sl = slice(start, start + chunk)
-        rows = buffers.rows(x[sl], w, bias, logits, ids[sl], entropy, grad=False)
-        logp[sl] = rows.logp
-        if entropy:
-            ent[sl] = rows.entropy
-        del rows  # the chunk's logits go before the next chunk's arrive
     return logp, ent
+
+
+def chunked_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent, sl: slice):
+    """logp[sl] (and ent[sl] when `ent` is given) written in place from chunks of chunk_tokens rows of x[sl] and their
+    whole rows of logits (TritonRows on CUDA, TorchRows' shifted-when-needed passes on a CPU)."""
+    step = chunk_tokens(w.shape[0], x.device)
+    buffers = ChunkBuffers(x[sl], w.shape[0], step)
+    for start in range(sl.start, sl.stop, step):
+        part = slice(start, min(start + step, sl.stop))
+        rows = buffers.rows(x[part], w, bias, logits, ids[part], ent is not None, grad=False)
+        logp[part] = rows.logp
+        if ent is not None:
+            ent[part] = rows.entropy
+        del rows  # the chunk's logits go before the next chunk's arrive
 
 
 def cpu_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent=None):
@@ -252,7 +256,7 @@ def cpu_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent=None):
     weight w [V, H] of the GEMM dtype. Each chunk's logits are formed one vocab block at a time in one reused buffer
     and consumed there, in cache: the unshifted sums s = sum_v exp(z_v), t = sum_v exp(z_v) z_v and the target's
     logit add up over the blocks (the TorchRows argument: exact while every row's s stays in range); a chunk with a
-    row out of range is computed again by TorchRows' shifted passes."""
+    row out of range is computed again by chunked_row_stats."""
     N, V = x.shape[0], w.shape[0]
     chunk = stats_chunk_tokens(V, x.device)
     blocks = vocab_blocks(min(chunk, N), V)
@@ -265,11 +269,8 @@ def cpu_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent=None):
         C = x_c.shape[0]
         s, t, z_y = (x_c.new_zeros(C) for _ in range(3))  # [C] each
         for cols in blocks:
-            z = torch.mm(x_c, w[cols].T, out=z_buf[:C, : cols.stop - cols.start])  # [C, n]
-            if bias is not None:
-                z += bias[cols].to(z.dtype)
-            if logits.scale != 1.0:
-                z *= logits.scale
+            z = chunk_logits(x_c, w[cols], None if bias is None else bias[cols], logits.scale,
+                             out=z_buf[:C, : cols.stop - cols.start])  # [C, n]
             if logits.softcap is not None:
                 z.div_(logits.softcap).tanh_().mul_(logits.softcap)
             local = ids_c - cols.start
@@ -281,26 +282,14 @@ def cpu_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent=None):
                 e = torch.exp(z, out=e_buf[:C, : z.shape[1]])
                 s += e.sum(-1)
                 t += e.mul_(z).sum(-1)
-        if not unshifted_in_range(s):
-            _shifted_row_stats(x, w, bias, ids, logits, logp, ent, sl)
+        if not unshifted_in_range(s):  # logits far from zero: this chunk again, by the shifted passes
+            STATS["shifted_stats_chunks"] += 1
+            chunked_row_stats(x, w, bias, ids, logits, logp, ent, sl)
             continue
         log_s = s.log()
         logp[sl] = z_y - log_s
         if ent is not None:
             ent[sl] = log_s - t / s
-
-
-def _shifted_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent, sl: slice):
-    """cpu_row_stats' tokens x[sl] again, by TorchRows in chunks of chunk_tokens (logits far from zero)."""
-    STATS["shifted_stats_chunks"] += 1
-    step = chunk_tokens(w.shape[0], x.device)
-    buffers = ChunkBuffers(x[sl], w.shape[0], step)
-    for start in range(sl.start, sl.stop, step):
-        part = slice(start, min(start + step, sl.stop))
-        rows = buffers.rows(x[part], w, bias, logits, ids[part], ent is not None, grad=False)
-        logp[part] = rows.logp
-        if ent is not None:
-            ent[part] = rows.entropy
 
 
 class ChunkedLinearLogprobFunction(torch.autograd.Function):

@@ -48,8 +48,6 @@ CPU_MIN_CHUNK_TOKENS = 256
 # tokens, where a [256, V] chunk and its passes took 1.05x.
 CPU_BLOCK_BYTES = 2 * 2**20
 CPU_STATS_CHUNK_TOKENS = 1024
-# Chunks of a CPU no-grad pass computed again by the shifted row passes (a row's sum of exp(z) out of range).
-STATS = {"shifted_stats_chunks": 0}
 
 
 def chunk_tokens(V: int, device: torch.device) -> int:
@@ -152,74 +150,124 @@ def unshifted_in_range(s: torch.Tensor) -> bool:
     return bool(((s >= finfo.tiny / finfo.eps) & (s <= finfo.max / 1024)).all())
 
 
-class TorchRows:
-    """The row passes over one chunk of logits in PyTorch. Z is consumed (it ends as scratch) and the gradient is
-    written over exp(Z - rowmax), in `e_out` when given, so a chunk costs Z plus one more [C, V] buffer, both
-    reusable across chunks (a fresh 32 MiB buffer per chunk costs page faults on a CPU)."""
+# -- the row passes: registered ops, the compile boundary -------------------------------------------------------------
+# torch.compile traces the chunk loops around them (GEMMs, the objective's gradient) as plain PyTorch; each op is one
+# memory-bound pass over a chunk of logits: kernels/logit_rows.py on CUDA, the PyTorch below on a CPU. No host sync
+# leaves an op (the CPU's range check of the unshifted sums stays inside its kernel).
 
-    def __init__(self, z, ids, e_out=None, entropy=True, softcap=None, keep_cap_grad=True):
-        self.cap_grad = None  # d capped / d z = 1 - tanh^2, [C, V] (softcap only)
-        if softcap is not None:
-            th = z.div_(softcap).tanh_()
-            if keep_cap_grad:
-                self.cap_grad = 1 - th * th
-            z = th.mul_(softcap)
-        # exp(z) needs no max subtracted while every row's sum stays in range (unshifted_in_range): two passes over
-        # Z saved; rows outside it (logits above ~80, or all far below 0) take the shifted form.
-        self.e = torch.exp(z, out=e_out) if e_out is not None else torch.exp(z)  # [C, V]: exp(z - m), m = 0
-        self.s = self.e.sum(-1)  # [C]
-        m = None
-        if not unshifted_in_range(self.s):
-            m = z.amax(-1, keepdim=True)  # [C, 1]
-            z -= m
-            torch.exp(z, out=self.e)
-            self.s = self.e.sum(-1)
-        self.log_s = self.s.log()
-        self.ids = ids
-        self.lse = self.log_s if m is None else m.view(-1) + self.log_s
-        self.logp = z.gather(1, ids[:, None]).view(-1) - self.log_s
-        self.entropy = None
-        if entropy:
-            t = z.mul_(self.e).sum(-1)  # [C] sum_v e (z - m) in place; a cascade sum (a bmm dot loses 1e-4 at 152k)
-            self.entropy = self.log_s - t / self.s
+
+@torch.library.custom_op("fastgrpo::logit_row_stats", mutates_args=("scratch",))
+def logit_row_stats(z: torch.Tensor, ids: torch.Tensor, softcap: float | None, entropy: bool,
+                    scratch: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lse [C], logp [C], entropy [C] or [0] unless asked) of the logits z [C, V] (>= fp32), capped by softcap
+    (None: not capped), targets ids [C] int64 in [0, V). scratch: a CPU's reused [>= C, V] buffer of z's dtype
+    (None: a new one; its contents are scratch afterwards). Plain PyTorch: zc = z, or softcap * tanh(z / softcap);
+    lse = zc.logsumexp(-1); logp = zc.gather(-1, ids[:, None])[:, 0] - lse; entropy = -(p * log p).sum(-1)."""
+    zc = z if softcap is None else torch.tanh(z / softcap).mul_(softcap)  # [C, V]
+    e = torch.exp(zc) if scratch is None else torch.exp(zc, out=scratch[: z.shape[0]])  # [C, V]: exp(zc - m), m = 0
+    s = e.sum(-1)  # [C]
+    m = None
+    # exp(zc) needs no max subtracted while every row's sum stays in range (unshifted_in_range): two passes over
+    # Z saved; rows outside it (logits above ~80, or all far below 0) take the shifted form.
+    if not unshifted_in_range(s):
+        m = zc.amax(-1, keepdim=True)  # [C, 1]
+        zc = zc - m
+        torch.exp(zc, out=e)
+        s = e.sum(-1)
+    log_s = s.log()
+    lse = log_s if m is None else m.view(-1) + log_s
+    logp = zc.gather(1, ids[:, None]).view(-1) - log_s
+    if not entropy:
+        return lse, logp, z.new_empty(0)
+    t = e.mul_(zc).sum(-1)  # [C] sum_v e (zc - m); a cascade sum (a bmm dot loses 1e-4 at 152k)
+    return lse, logp, log_s - t / s
+
+
+@logit_row_stats.register_fake
+def _(z, ids, softcap, entropy, scratch):
+    return z.new_empty(z.shape[0]), z.new_empty(z.shape[0]), z.new_empty(z.shape[0] if entropy else 0)
+
+
+@logit_row_stats.register_kernel("cuda")
+def _logit_row_stats_cuda(z, ids, softcap, entropy, scratch):
+    from fastgrpo.kernels.logit_rows import logit_row_stats as triton_row_stats
+
+    lse, logp, ent = triton_row_stats(z, ids, softcap=softcap)
+    return lse, logp, ent if entropy else z.new_empty(0)
+
+
+@torch.library.custom_op("fastgrpo::logit_row_grad_", mutates_args=("z", "out"))
+def logit_row_grad_(z: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor, g: torch.Tensor,
+                    h: torch.Tensor | None, scale: float, softcap: float | None, out: torch.Tensor | None) -> None:
+    """dZ = scale * d(sum_c g_c logp_c + h_c entropy_c) / dz [C, V], written over z (out None) or into out (another
+    dtype; z is scratch then), for logit_row_stats's lse and entropy [C] (entropy unused when h is None):
+    dZ = scale (g onehot(y) - p (g + h (log p + H))) (times the softcap's 1 - tanh^2)."""
+    cap_grad = None
+    if softcap is not None:
+        th = z.div_(softcap).tanh_()
+        cap_grad = 1 - th * th  # [C, V]
+        th.mul_(softcap)
+    log_p = z.sub_(lse[:, None].to(z.dtype))  # [C, V], in place
+    if h is None:
+        dz = log_p.exp_().mul_((-scale * g)[:, None].to(z.dtype))  # -g p
+    else:
+        coef = (log_p + entropy[:, None]).mul_(h[:, None]).add_(g[:, None]).neg_()  # -(g + h (log p + H))
+        dz = log_p.exp_().mul_(coef).mul_(scale).nan_to_num_(0.0)  # 0 where p underflows
+    dz.scatter_add_(1, ids[:, None], (scale * g)[:, None].to(dz.dtype))
+    if cap_grad is not None:
+        dz *= cap_grad
+    if out is not None:
+        out.copy_(dz)
+
+
+@logit_row_grad_.register_fake
+def _(z, ids, lse, entropy, g, h, scale, softcap, out):
+    return None
+
+
+@logit_row_grad_.register_kernel("cuda")
+def _logit_row_grad_cuda(z, ids, lse, entropy, g, h, scale, softcap, out):
+    from fastgrpo.kernels.logit_rows import logit_row_grad as triton_row_grad
+
+    triton_row_grad(z, ids, lse, entropy, g.float().contiguous(), None if h is None else h.float().contiguous(),
+                    scale=scale, softcap=softcap, out=z if out is None else out)
+
+
+class Rows:
+    """One chunk of logits Z [C, V] and its row statistics (lse, logp, entropy [C]); `grad` writes dZ over Z or
+    into a buffer of the GEMM dtype."""
+
+    def __init__(self, z, ids, softcap, entropy, scratch=None):
+        self.z, self.ids, self.softcap = z, ids, softcap
+        self.lse, self.logp, self.entropy = logit_row_stats(z, ids, softcap, entropy, scratch)
+        if not entropy:
+            self.entropy = None
 
     def grad(self, g, h, scale, dtype):
-        """dZ [C, V] of dtype for L = sum g logp + h entropy, times scale: p (-(g + h (log p + H))) + g onehot."""
-        if h is not None:
-            # dZ = p (-(g + h (log p + H))) with log p = log(e) - log s: e carries log p exactly enough in fp32
-            # only away from underflow, so the entropy term recomputes it from e (0 where e underflows to 0).
-            log_p = torch.log(self.e).sub_(self.log_s[:, None])
-            coef = log_p.add_(self.entropy[:, None]).mul_(h[:, None]).add_(g[:, None]).neg_()
-            dz = self.e.mul_(coef).mul_((scale / self.s)[:, None]).nan_to_num_(0.0)
-        else:
-            dz = self.e.mul_((-scale * g / self.s)[:, None])  # -g p, p = e / s
-        dz.scatter_add_(1, self.ids[:, None], (scale * g)[:, None].to(dz.dtype))
-        if self.cap_grad is not None:
-            dz *= self.cap_grad
-        return dz.to(dtype)
+        """dZ [C, V] of dtype for L = sum g logp + h entropy, times scale."""
+        z = self.z
+        out = None if dtype == z.dtype else torch.empty(z.shape, dtype=dtype, device=z.device)
+        entropy = self.entropy if h is not None else self.lse  # (unread without h)
+        logit_row_grad_(z, self.ids, self.lse, entropy, g.to(z.dtype), None if h is None else h.to(z.dtype), scale,
+                        self.softcap, out)
+        return z if out is None else out
 
 
 class ChunkBuffers:
-    """Two [chunk, V] fp32 (>= input dtype) buffers reused by every chunk of a call on a CPU: Z and exp(Z - max)."""
+    """A CPU's two [chunk, V] fp32 (>= input dtype) buffers reused by every chunk of a call: Z and the row passes'
+    scratch (a fresh 32 MiB buffer per chunk costs page faults on a CPU). CUDA: cuBLAS writes each chunk's Z and
+    the Triton passes need no scratch (the caching allocator reuses the chunk's memory)."""
 
     def __init__(self, x, V, chunk):
         shape, dtype = (min(chunk, x.shape[0]), V), torch.promote_types(x.dtype, torch.float32)
-        # CUDA: cuBLAS writes each chunk's Z and the Triton passes need no second buffer (the caching allocator
-        # reuses the chunk's memory); a CPU reuses these two.
         empty = lambda: torch.empty(shape, dtype=dtype, device=x.device)
-        self.z, self.e = (None, None) if x.is_cuda else (empty(), empty())
+        self.z, self.scratch = (None, None) if x.is_cuda else (empty(), empty())
 
-    def rows(self, x_c, w, bias, logits: LogitMap, ids, entropy=True, grad=True):
-        """The chunk's logits and row statistics (ready for their gradient unless grad=False); entropy=False
-        (no-grad passes that do not want it) saves two of the CPU's passes over Z (the Triton pass reads Z once
-        either way)."""
+    def rows(self, x_c, w, bias, logits: LogitMap, ids, entropy=True) -> Rows:
+        """The chunk's logits and row statistics; entropy=False (no-grad passes that do not want it) saves a pass."""
         C = x_c.shape[0]
-        z = chunk_logits(x_c, w, bias, logits.scale, out=None if x_c.is_cuda else self.z[:C])
-        if z.is_cuda:
-            from fastgrpo.kernels.logit_rows import TritonRows
-
-            return TritonRows(z, ids, logits.softcap)
-        return TorchRows(z, ids, e_out=self.e[:C], entropy=entropy, softcap=logits.softcap, keep_cap_grad=grad)
+        z = chunk_logits(x_c, w, bias, logits.scale, out=None if self.z is None else self.z[:C])
+        return Rows(z, ids, logits.softcap, entropy, self.scratch)
 
 
 def logprobs_no_grad(x, weight, bias, ids, logits: LogitMap, entropy=True):
@@ -230,7 +278,7 @@ def logprobs_no_grad(x, weight, bias, ids, logits: LogitMap, entropy=True):
     logp = torch.empty(N, dtype=out_dtype, device=x.device)
     ent = torch.empty(N, dtype=out_dtype, device=x.device) if entropy else None
     w = gemm_weight(x, weight)
-    if x.is_cuda:
+    if x.is_cuda or torch.compiler.is_compiling():  # (cpu_row_stats checks its sums' range on the host)
         chunked_row_stats(x, w, bias, ids, logits, logp, ent, slice(0, N))
     else:
         cpu_row_stats(x, w, bias, ids, logits, logp, ent)
@@ -244,7 +292,7 @@ def chunked_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent, sl: slice):
     buffers = ChunkBuffers(x[sl], w.shape[0], step)
     for start in range(sl.start, sl.stop, step):
         part = slice(start, min(start + step, sl.stop))
-        rows = buffers.rows(x[part], w, bias, logits, ids[part], ent is not None, grad=False)
+        rows = buffers.rows(x[part], w, bias, logits, ids[part], ent is not None)
         logp[part] = rows.logp
         if ent is not None:
             ent[part] = rows.entropy
@@ -283,39 +331,12 @@ def cpu_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent=None):
                 s += e.sum(-1)
                 t += e.mul_(z).sum(-1)
         if not unshifted_in_range(s):  # logits far from zero: this chunk again, by the shifted passes
-            STATS["shifted_stats_chunks"] += 1
             chunked_row_stats(x, w, bias, ids, logits, logp, ent, sl)
             continue
         log_s = s.log()
         logp[sl] = z_y - log_s
         if ent is not None:
             ent[sl] = log_s - t / s
-
-
-class ChunkedLinearLogprobFunction(torch.autograd.Function):
-    """(x [N, H], weight [V, H], bias [V] | None, ids [N], LogitMap) -> (logp [N], entropy [N]), >= fp32.
-
-    For callers that apply their own loss to the logprobs: the backward recomputes each chunk's logits."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, ids, logits):
-        logp, ent = logprobs_no_grad(x, weight, bias, ids, logits)
-        ctx.save_for_backward(x, weight, bias, ids)
-        ctx.logits = logits
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_ent):
-        x, weight, bias, ids = ctx.saved_tensors
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        grads = HeadGrads(x, weight, bias, need_dx, need_dw, need_db)
-        for sl in grads.chunks():
-            rows = grads.buffers.rows(x[sl], grads.w, bias, ctx.logits, ids[sl])
-            g = torch.zeros_like(rows.logp) if grad_logp is None else grad_logp[sl].to(rows.logp.dtype)
-            h = None if grad_ent is None else grad_ent[sl].to(rows.logp.dtype)
-            grads.add(sl, rows.grad(g, h, ctx.logits.scale, grads.gemm_dtype))
-            del rows
-        return (*grads.result(), None, None)
 
 
 class HeadGrads:

@@ -1,16 +1,14 @@
 """fastgrpo's public loss API: per-token logprobs and the GRPO loss, straight from hidden states.
 
-Backends (the environment variable FASTGRPO_BACKEND forces one):
-  auto       torch, on every device
-  torch      the default: chunked GEMMs (cuBLAS on a GPU) and memory-bound row passes (Triton kernels on CUDA,
-             PyTorch elsewhere), with the training loss's gradient computed in the forward (fastgrpo.grpo_head):
-             3 GEMMs, no atomics, deterministic
-  fused      (alias: triton) the fully fused Triton kernels of fastgrpo.kernels.logprob / grpo_token, opt-in: their
-             backward reduces dX and dW with fp32 atomics (on CPU only under TRITON_INTERPRET=1)
+Paths (the environment variable FASTGRPO_BACKEND picks one; `auto` is `chunked`):
+  chunked    the default, on every device (fastgrpo.grpo_head): per chunk of tokens a GEMM forms fp32 logits (cuBLAS
+             on a GPU), memory-bound row passes read them (Triton kernels on CUDA, kernels/logit_rows.py; PyTorch on a
+             CPU), and the training loss's gradient is computed in the forward: 3 GEMMs, no atomics, no recompute
   reference  fastgrpo.reference: full logits; the yardstick
 
 The Triton kernels live in the repository's top-level `kernels/` folder, one op per file; setuptools installs that
-folder as `fastgrpo.kernels` (pyproject.toml's `package-dir`), so `fastgrpo.kernels.logprob` is `kernels/logprob.py`.
+folder as `fastgrpo.kernels` (pyproject.toml's `package-dir`), so `fastgrpo.kernels.logit_rows` is
+`kernels/logit_rows.py`.
 """
 
 import math
@@ -19,14 +17,13 @@ import os
 import torch
 from torch import nn
 
-from fastgrpo import chunked, ops, reference
-from fastgrpo.grpo_head import row_weights
-from fastgrpo.loss_config import CLIP_LOSS_TYPES, LossConfig
+from fastgrpo import chunked, grpo_head, reference
+from fastgrpo.loss_config import LossConfig
 
 __all__ = ["LossConfig", "GRPOLoss", "token_logprobs", "grpo_loss", "fused_grpo_loss", "resolve_backend",
            "head_transform"]
 
-BACKENDS = ("auto", "torch", "fused", "triton", "reference")
+BACKENDS = ("auto", "chunked", "reference")
 # Model-config options that transform the logits after the lm_head (softcapping, scales, multipliers).
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier",
                     "output_multiplier_scale", "lm_head_multiplier")
@@ -49,17 +46,12 @@ def head_transform(model_config) -> dict:
             "logit_softcap": getattr(config, "final_logit_softcapping", None)}
 
 
-def resolve_backend(device: torch.device) -> str:
-    """The backend that runs for tensors on `device`, after FASTGRPO_BACKEND."""
+def resolve_backend() -> str:
+    """The path that runs, after FASTGRPO_BACKEND: "chunked" or "reference"."""
     choice = os.environ.get("FASTGRPO_BACKEND", "auto").strip().lower() or "auto"
     if choice not in BACKENDS:
         raise ValueError(f"FASTGRPO_BACKEND must be one of {BACKENDS}, got {choice!r}")
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if choice == "auto":
-        return "torch"
-    if choice in ("fused", "triton") and device.type != "cuda" and not interpreted:
-        raise ValueError(f"FASTGRPO_BACKEND={choice} needs CUDA tensors or TRITON_INTERPRET=1; tensors are on {device}")
-    return "triton" if choice == "fused" else choice
+    return "chunked" if choice == "auto" else choice
 
 
 # -- input checks: every message names the argument and what was expected --------------------------------------
@@ -167,32 +159,6 @@ def _check_loss_inputs(like_name, like, completion_mask, advantages, old_logps, 
 # -- public API -----------------------------------------------------------------------------------------------------
 
 
-def _token_offsets(hidden, index):
-    """Element offset of each indexed token vector of hidden [..., H] (any strides): int64 [N]."""
-    offsets = torch.zeros((), dtype=torch.int64, device=hidden.device)
-    for dim, (size, stride) in enumerate(zip(hidden.shape[:-1], hidden.stride()[:-1], strict=True)):
-        shape = [1] * (hidden.dim() - 1)
-        shape[dim] = size
-        offsets = offsets + torch.arange(size, device=hidden.device).view(shape) * stride
-    return offsets.reshape(-1)[index]
-
-
-def _selected_logprobs(hidden, weight, bias, token_ids, valid, logits: chunked.LogitMap):
-    """The fused Triton kernel's logp and entropy [N] fp32 of the tokens where `valid` ([...] bool, or None for all),
-    plus their flat index into hidden's leading dims."""
-    from fastgrpo.kernels.logprob import LinearLogprobFunction
-
-    flat_ids = token_ids.reshape(-1)
-    index = (torch.arange(flat_ids.numel(), device=hidden.device) if valid is None
-             else valid.reshape(-1).nonzero().squeeze(1))
-    if logits.softcap is not None:
-        raise ValueError("FASTGRPO_BACKEND=fused does not apply a logit softcap; use the default backend")
-    if hidden.stride(-1) != 1:
-        hidden = hidden.contiguous()
-    return (*LinearLogprobFunction.apply(hidden, weight.contiguous(), bias, index, _token_offsets(hidden, index),
-                                         flat_ids[index], 1.0 / logits.scale), index)  # the kernel divides
-
-
 def _check_logit_map(temperature, logit_scale, logit_softcap) -> chunked.LogitMap:
     _check_temperature(temperature)
     LossConfig(logit_scale=logit_scale, logit_softcap=logit_softcap)  # their checks
@@ -213,62 +179,11 @@ def token_logprobs(hidden, weight, token_ids, *, bias=None, temperature=1.0, ret
     """
     token_ids = _check_head(hidden, weight, bias, token_ids)
     logits = _check_logit_map(temperature, logit_scale, logit_softcap)
-    backend = resolve_backend(hidden.device)
-    if backend == "reference":
+    if resolve_backend() == "reference":
         return reference.token_logprobs(hidden, weight, token_ids, bias=bias, temperature=temperature,
                                         return_entropy=return_entropy, logit_scale=logit_scale,
                                         logit_softcap=logit_softcap)
-    if backend == "torch":  # fastgrpo::token_logprobs: one GEMM per chunk, the backward recomputes
-        return ops.token_logprobs(hidden, weight, bias, token_ids, logits, return_entropy)
-    logp, ent, _ = _selected_logprobs(hidden, weight, bias, token_ids, None, logits)
-    return logp.view(token_ids.shape), ent.view(token_ids.shape) if return_entropy else None
-
-
-def _kernel_metrics(row_stats, mask, advantages, config, entropies):
-    """TRL's metrics from the kernel's per-row sums [NUM_ROW_STATS, B] (see kernels/grpo_token.py)."""
-    _, kl_rows, low_rows, high_rows, region_rows = row_stats
-    lengths = mask.sum(-1)  # [B]
-    total = lengths.sum().clamp(min=1.0)
-    metrics = {}
-    if config.beta != 0.0:
-        metrics["kl"] = kl_rows.sum() / total
-    if entropies is not None:
-        metrics["entropy"] = (entropies.detach() * mask).sum() / total
-    # TRL reduces a clip indicator per sequence when both the ratio and the advantage are one per sequence.
-    per_sequence = config.importance_sampling_level == "sequence" and advantages.dim() == 1
-    if per_sequence:
-        seq = lambda rows: rows / lengths.clamp(min=1.0)  # the row's single 0/1 indicator
-        mean = lambda rows: seq(rows).sum() / max(rows.numel(), 1)
-    else:
-        seq = lambda rows: rows / lengths  # NaN for empty rows, dropped by the nan reductions
-        mean = lambda rows: rows.sum() / total
-    if config.loss_type in CLIP_LOSS_TYPES:
-        metrics["clip_ratio/low_mean"] = mean(low_rows)
-        metrics["clip_ratio/high_mean"] = mean(high_rows)
-        metrics["clip_ratio/region_mean"] = mean(region_rows)
-        metrics["clip_ratio/low_min"] = reference.nan_reduce(seq(low_rows), torch.min)
-        metrics["clip_ratio/high_max"] = reference.nan_reduce(seq(high_rows), torch.max)
-    elif config.loss_type == "cispo":
-        metrics["cispo_clip_ratio"] = mean(low_rows)
-    return metrics
-
-
-def _grpo_loss(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch, entropies,
-               backend, importance_weights=None):
-    # The row kernel covers neither the IS correction nor the entropy bonus: the reference's math runs them.
-    if backend != "triton" or importance_weights is not None or config.entropy_coef != 0.0:
-        return reference.grpo_loss(logps, completion_mask, advantages, old_logps=old_logps, ref_logps=ref_logps,
-                                   config=config, num_items_in_batch=num_items_in_batch, entropies=entropies,
-                                   importance_weights=importance_weights)
-    from fastgrpo.kernels.grpo_token import GRPOTokenLossFunction
-
-    f32 = lambda t: None if t is None else t.detach().to(torch.float32).contiguous()
-    mask = completion_mask.to(torch.float32).contiguous()
-    loss, row_stats = GRPOTokenLossFunction.apply(
-        logps.float().contiguous(), f32(old_logps), f32(ref_logps), f32(advantages), mask,
-        row_weights(mask, config, num_items_in_batch), config,
-    )
-    return loss, _kernel_metrics(row_stats, mask, advantages, config, entropies)
+    return grpo_head.token_logprobs(hidden, weight, bias, token_ids, logits, return_entropy)
 
 
 def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=None, config: LossConfig,
@@ -288,8 +203,9 @@ def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=N
                        importance_weights)
     if config.entropy_coef != 0.0 and entropies is None:
         raise ValueError(f"entropies is required when config.entropy_coef != 0 (entropy_coef = {config.entropy_coef})")
-    return _grpo_loss(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch,
-                      entropies, resolve_backend(logps.device), importance_weights)
+    return reference.grpo_loss(logps, completion_mask, advantages, old_logps=old_logps, ref_logps=ref_logps,
+                               config=config, num_items_in_batch=num_items_in_batch, entropies=entropies,
+                               importance_weights=importance_weights)
 
 
 def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, *, bias=None, old_logps=None,
@@ -306,23 +222,12 @@ def fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages,
                        importance_weights)
     valid = completion_mask != 0
     completion_ids = _check_head(hidden, weight, bias, completion_ids, valid)
-    backend = resolve_backend(hidden.device)
-    if backend == "reference":
+    if resolve_backend() == "reference":
         return reference.fused_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias=bias,
                                          old_logps=old_logps, ref_logps=ref_logps, config=config,
                                          num_items_in_batch=num_items_in_batch, importance_weights=importance_weights)
-    if backend == "torch":  # fastgrpo::grpo_head_loss: the gradient computed in the forward (fastgrpo.grpo_head)
-        return ops.grpo_head_loss(hidden, weight, bias, completion_ids, completion_mask, advantages, old_logps,
-                                  ref_logps, importance_weights, num_items_in_batch, config)
-    logits = chunked.LogitMap.of(config.temperature, config.logit_scale, config.logit_softcap)
-    logp, ent, index = _selected_logprobs(hidden, weight, bias, completion_ids, valid, logits)
-    B, T = completion_mask.shape
-    logps = logp.new_zeros(B * T).index_copy(0, index, logp).view(B, T)  # differentiable scatter
-    if config.entropy_coef == 0.0:
-        ent = ent.detach()
-    entropies = ent.new_zeros(B * T).index_copy(0, index, ent).view(B, T)
-    return _grpo_loss(logps, completion_mask, advantages, old_logps, ref_logps, config, num_items_in_batch,
-                      entropies, backend, importance_weights)
+    return grpo_head.grpo_head_loss(hidden, weight, bias, completion_ids, completion_mask, advantages, old_logps,
+                                    ref_logps, importance_weights, num_items_in_batch, config)
 
 
 class GRPOLoss(nn.Module):

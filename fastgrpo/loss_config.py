@@ -3,11 +3,46 @@
 import math
 from dataclasses import dataclass
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+
+@dataclass(frozen=True, slots=True)
+class LossType:
+    """What sets one loss type apart (TRL 1.16): the per-token policy term and the normaliser of the summed loss.
+
+    policy:     "clip"  -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) (r capped at delta); logs clip_ratio/*
+                "cispo" -sg(min(r, eps_high)) A logp; logs cispo_clip_ratio
+                "sapo"  -sigmoid(tau (r - 1)) 4 / tau A, tau by the advantage's sign
+    normaliser: "sequence"   each row's masked mean, then the mean over rows
+                "tokens"     the micro-batch's loss tokens
+                "max_length" rows x max_completion_length
+                "items"      num_items_in_batch (the round's loss tokens spread over its optimizer steps)
+                "rows"       the micro-batch's rows
+    """
+
+    policy: str
+    normaliser: str
+
+    def share_scale(self, world_size: int, token_share: float) -> float:
+        """The factor on one of K equal shares of a micro-batch such that the K shares' gradients, averaged, are the
+        whole micro-batch's: a per-row mean is the same on every share (1); a sum over the round's tokens is split
+        over the shares (K); a mean over the micro-batch's tokens weighs the share by its tokens (token_share =
+        K x its fraction of the tokens)."""
+        return {"items": float(world_size), "tokens": token_share}.get(self.normaliser, 1.0)
+
+
+# The one table of loss types: adding one is a row here (and its policy term in fastgrpo.reference.token_objective).
+LOSS_TYPES = {
+    "grpo": LossType("clip", "sequence"),
+    "bnpo": LossType("clip", "tokens"),
+    "dr_grpo": LossType("clip", "max_length"),
+    "dapo": LossType("clip", "items"),
+    "luspo": LossType("clip", "rows"),
+    "cispo": LossType("cispo", "items"),
+    "sapo": LossType("sapo", "sequence"),
+}
 # Loss types that clip the ratio PPO-style and log TRL's clip_ratio/* metrics.
-CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+CLIP_LOSS_TYPES = tuple(name for name, kind in LOSS_TYPES.items() if kind.policy == "clip")
 # Loss types normalised by the token count of the whole batch (`num_items_in_batch`), not per micro-batch.
-TOKEN_NORMALISED_LOSS_TYPES = ("dapo", "cispo")
+TOKEN_NORMALISED_LOSS_TYPES = tuple(name for name, kind in LOSS_TYPES.items() if kind.normaliser == "items")
 # The options named differently in TRL's GRPOConfig (and fastgrpo's TrainConfig): LossConfig field -> TRL name.
 TRL_NAMES = {"epsilon_low": "epsilon"}
 
@@ -39,6 +74,10 @@ class LossConfig:
     logit_scale: float = 1.0
     logit_softcap: float | None = None
 
+    @property
+    def kind(self) -> LossType:
+        return LOSS_TYPES[self.loss_type]
+
     @classmethod
     def from_trl(cls, args) -> "LossConfig":
         """The loss options of `args`, any object with TRL's `GRPOConfig` names (a `GRPOConfig`, fastgrpo's
@@ -54,7 +93,7 @@ class LossConfig:
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+            raise ValueError(f"loss_type must be one of {tuple(LOSS_TYPES)}, got {self.loss_type!r}")
         if self.epsilon_high is None:
             object.__setattr__(self, "epsilon_high", self.epsilon_low)
         for name in ("epsilon_low", "epsilon_high", "beta"):

@@ -1,14 +1,19 @@
-"""The plain-PyTorch reference: full logits, and the exact math of TRL 1.16's `GRPOTrainer._compute_loss`.
+"""The plain-PyTorch reference: full logits, and the math of TRL 1.16's `GRPOTrainer._compute_loss`.
 
-One process, gradient_accumulation_steps=1, steps_per_generation=1, no vLLM importance correction, no entropy
-mask or bonus, no off-policy mask. This is the yardstick for every fast path in tests and benchmarks; it also serves
-as the `FASTGRPO_BACKEND=reference` backend. It materializes the [..., V] logits, so it is neither fast nor small.
+It covers every loss type, token- and sequence-level ratios, the k3 KL (with TRL's bias correction), the static
+entropy bonus (`entropy_coef`), the sampler's truncated importance-sampling correction (`importance_weights`),
+`num_items_in_batch`, the model's logit scale and softcap, and TRL's metrics. Off-policy masks and entropy masks
+(TRL's `off_policy_mask_threshold`, `top_entropy_quantile`) act on the per-token loss before it reaches here: the
+TRL integration applies them to the mask. This module is the one home of the per-token objective
+(`token_objective`, which the default path differentiates chunk by chunk), of the loss types' normalisers
+(`row_weights`) and of the metrics (`grpo_loss`); it is the yardstick for every fast path in tests and benchmarks
+and the `FASTGRPO_BACKEND=reference` backend. It materializes the [..., V] logits, so it is neither fast nor small.
 """
 
 import torch
 import torch.nn.functional as F
 
-from fastgrpo.loss_config import CLIP_LOSS_TYPES, TOKEN_NORMALISED_LOSS_TYPES, LossConfig
+from fastgrpo.loss_config import LossConfig
 
 
 def token_logprobs(hidden, weight, token_ids, *, bias=None, temperature=1.0, return_entropy=False, logit_scale=1.0,
@@ -30,9 +35,35 @@ def token_logprobs(hidden, weight, token_ids, *, bias=None, temperature=1.0, ret
 
 
 def nan_reduce(x, fn):
-    """fn over the non-NaN entries of x; NaN when there are none (TRL's nanmin/nanmax)."""
-    finite = x[~torch.isnan(x)]
-    return fn(finite) if finite.numel() else torch.tensor(float("nan"), device=x.device)
+    """fn (torch.min or torch.max) over the non-NaN entries of x; NaN when there are none (TRL's nanmin/nanmax).
+    Static shapes (no boolean indexing), so torch.compile traces it without a graph break."""
+    nan = torch.isnan(x)
+    fill = torch.finfo(x.dtype).max if fn is torch.min else torch.finfo(x.dtype).min
+    return torch.where(nan.all(), torch.nan, fn(torch.where(nan, fill, x)))
+
+
+# The metrics that are means of a ratio indicator: per sequence when the ratio is (importance_sampling_level
+# "sequence" with one advantage per sequence), so shares of a batch combine them weighted by sequences, not tokens.
+RATIO_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")
+
+
+def row_weights(mask, config: LossConfig, num_items_in_batch=None):
+    """w [B] such that the loss is sum_b w_b sum_t mask_bt loss_bt: each loss type's normaliser (TRL 1.16),
+    from mask [B, T] of the loss's dtype."""
+    B = mask.shape[0]
+    normaliser = config.kind.normaliser
+    if normaliser == "sequence":
+        return 1.0 / (B * mask.sum(-1).clamp(min=1.0))
+    if normaliser == "tokens":
+        norm = mask.sum().clamp(min=1.0)
+    elif normaliser == "max_length":
+        norm = mask.new_tensor(float(B * config.max_completion_length))
+    elif normaliser == "items":
+        items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=mask.device)
+        norm = items.to(mask.dtype).clamp(min=1.0)
+    else:  # rows
+        norm = mask.new_tensor(float(B))
+    return (1.0 / norm).expand(B)
 
 
 def token_objective(logps, mask, advantages, old_logps, ref_logps, config: LossConfig, importance_weights=None):
@@ -59,10 +90,11 @@ def token_objective(logps, mask, advantages, old_logps, ref_logps, config: LossC
         if c.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
 
-    if c.loss_type == "cispo":
+    policy = c.kind.policy
+    if policy == "cispo":
         clamped_ratios = torch.clamp(coef_1, max=c.epsilon_high).detach()
         loss = -clamped_ratios * advantages * logps
-    elif c.loss_type in CLIP_LOSS_TYPES:
+    elif policy == "clip":
         coef_2 = torch.clamp(coef_1, 1 - c.epsilon_low, 1 + c.epsilon_high)
         if c.delta is not None:
             coef_1 = torch.clamp(coef_1, max=c.delta)
@@ -94,17 +126,7 @@ def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=N
     per_token_loss, per_token_kl, coef_1 = token_objective(logps, mask, advantages, old_logps, ref_logps, c,
                                                            importance_weights)
 
-    if c.loss_type in ("grpo", "sapo"):
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    elif c.loss_type == "bnpo":
-        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-    elif c.loss_type == "dr_grpo":
-        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * c.max_completion_length)
-    elif c.loss_type in TOKEN_NORMALISED_LOSS_TYPES:
-        items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, dtype=mask.dtype)
-        loss = (per_token_loss * mask).sum() / items.clamp(min=1.0)
-    else:  # luspo
-        loss = (per_token_loss * mask).sum(-1).mean()
+    loss = ((per_token_loss * mask).sum(-1) * row_weights(mask, c, num_items_in_batch)).sum()
     if c.entropy_coef != 0.0:
         loss = loss - c.entropy_coef * (torch.where(mask != 0, entropies, 0.0) * mask).sum() / mask.sum().clamp(min=1.0)
 
@@ -121,7 +143,7 @@ def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=N
         metrics["kl"] = global_masked_mean(per_token_kl)
     if entropies is not None:
         metrics["entropy"] = global_masked_mean(entropies)
-    if c.loss_type in CLIP_LOSS_TYPES:
+    if c.kind.policy == "clip":
         is_low = ((coef_1 < 1 - c.epsilon_low) & (advantages < 0)).to(mask.dtype)
         is_high = ((coef_1 > 1 + c.epsilon_high) & (advantages > 0)).to(mask.dtype)
         metrics["clip_ratio/low_mean"] = global_masked_mean(is_low)
@@ -129,7 +151,7 @@ def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=N
         metrics["clip_ratio/region_mean"] = global_masked_mean(torch.maximum(is_low, is_high))
         metrics["clip_ratio/low_min"] = nan_reduce(masked_seq_mean(is_low), torch.min)
         metrics["clip_ratio/high_max"] = nan_reduce(masked_seq_mean(is_high), torch.max)
-    elif c.loss_type == "cispo":
+    elif c.kind.policy == "cispo":
         metrics["cispo_clip_ratio"] = global_masked_mean(((coef_1 > c.epsilon_high) & (advantages > 0)).to(mask.dtype))
     return loss, {k: v.detach() for k, v in metrics.items()}
 

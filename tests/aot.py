@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fastgrpo.kernels import grpo_token, logit_rows, logprob, paged_attention
+from fastgrpo.kernels import logit_rows, paged_attention
 
 # The builds need real JIT functions: this module runs as its own process, without TRITON_INTERPRET.
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
@@ -67,50 +67,6 @@ def build(fn, signature: dict, constexprs: dict, cc: int, num_warps: int, num_st
 
 # -- the shipped kernels, with their launchers' settings ------------------------------------------------------------
 
-HEAD = dict(X="*{dt}", W="*{dt}", B="*{dt}", Offs="*i64", Ids="*i64")
-SCALARS = dict(N="i32", V="i32", H="i32", stride_w="i32", inv_t="fp32")
-
-
-def fwd(dt):
-    sig = {k: v.format(dt=dt) for k, v in HEAD.items()}
-    sig.update(Mpart="*fp32", Spart="*fp32", Apart="*fp32", Zpart="*fp32", **SCALARS, v_per_split="i32")
-    bn, bv, bh, warps, stages = logprob._FWD_TILES[4 if dt == "fp32" else 2]
-    consts = dict(HAS_BIAS=True, BLOCK_N=bn, BLOCK_V=bv, BLOCK_H=bh, DOT_PRECISION="tf32")
-    return logprob._logprob_fwd_kernel, sig, consts, warps, stages
-
-
-def bwd(dt):
-    sig = {k: v.format(dt=dt) for k, v in HEAD.items()}
-    sig.update(Lse="*fp32", Ent="*fp32", GradLogp="*fp32", GradEnt="*fp32", DX="*fp32", DW="*fp32", DB="*fp32")
-    sig.update(N="i32", V="i32", H="i32", stride_w="i32", stride_dx="i32", stride_dw="i32", inv_t="fp32",
-               v_begin="i32", v_end="i32")
-    bn, bv, bh, warps, stages = logprob._BWD_TILES[4 if dt == "fp32" else 2]
-    consts = dict(HAS_BIAS=True, HAS_GRAD_ENT=True, COMPUTE_DX=True, COMPUTE_DW=True, BLOCK_N=bn, BLOCK_V=bv,
-                  BLOCK_H=bh, DOT_PRECISION="tf32")
-    return logprob._logprob_bwd_kernel, sig, consts, warps, stages
-
-
-def bwd_dx_only(dt):
-    """The backward for a frozen lm_head (LoRA): dX only."""
-    fn, sig, consts, warps, stages = bwd(dt)
-    return fn, sig, {**consts, "COMPUTE_DW": False}, warps, stages
-
-
-def combine(_dt):
-    sig = dict(Mpart="*fp32", Spart="*fp32", Apart="*fp32", Zpart="*fp32", Logp="*fp32", Ent="*fp32", Lse="*fp32",
-               N="i32")
-    return logprob._logprob_combine_kernel, sig, dict(SPLITS=8, BLOCK=1024), 4, 1
-
-
-def grpo(_dt, sequence=True):
-    sig = {k: "*fp32" for k in ("Logp", "Old", "Ref", "Adv", "Mask", "RowW", "DLogp", "RowStats")}
-    sig.update(B="i32", T="i32", **{k: "fp32" for k in ("eps_low", "eps_high", "delta", "beta", "tau_pos",
-                                                         "tau_neg")})
-    consts = dict(POLICY_TERM=grpo_token.POLICY_TERM["dapo"], SEQUENCE_LEVEL=sequence, HAS_OLD=True, HAS_KL=True,
-                  BIAS_CORRECTION=True, HAS_DELTA=True, ADV_PER_TOKEN=False, BLOCK_T=grpo_token.MAX_BLOCK_T)
-    return grpo_token._grpo_token_kernel, sig, consts, grpo_token.NUM_WARPS, 1
-
-
 def attention(dt, decode: bool):
     """Paged attention with a Qwen2.5-1.5B head layout: 12 query heads on 2 KV heads (group 6), head_dim 128."""
     sig = dict(q_ptr=f"*{dt}", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}", out_ptr=f"*{dt}", block_tables_ptr="*i32",
@@ -125,11 +81,9 @@ def attention(dt, decode: bool):
     return paged_attention._paged_attention_kernel, sig, consts, tiles.num_warps, tiles.num_stages
 
 
-KERNELS = {"logprob_fwd": fwd, "logprob_bwd": bwd, "logprob_bwd_dx_only": bwd_dx_only, "logprob_combine": combine,
-           "grpo_token": grpo, "paged_attention_decode": lambda dt: attention(dt, decode=True),
+KERNELS = {"paged_attention_decode": lambda dt: attention(dt, decode=True),
            "paged_attention_prefill": lambda dt: attention(dt, decode=False)}
-GEMM_KERNELS = ("logprob_fwd", "logprob_bwd", "logprob_bwd_dx_only", "paged_attention_decode",
-                "paged_attention_prefill")
+GEMM_KERNELS = ("paged_attention_decode", "paged_attention_prefill")
 
 
 def logit_row_stats(_dt):

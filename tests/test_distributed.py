@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import test_train
 import torch
+from safetensors import safe_open
 from test_train import assert_same_metrics
 from transformers import AutoModelForCausalLM
 
@@ -142,6 +143,8 @@ def test_torchrun_fastgrpo_train_shards_by_default(tied, tmp_path):
     assert not (run / "checkpoint-2" / "model.safetensors").exists()  # exported at the end only
     exported = AutoModelForCausalLM.from_pretrained(last).state_dict()
     assert_same_parameters({k: params[k] for k in exported}, exported)
+    saved = lambda folder: sorted(safe_open(folder / "model.safetensors", "pt").keys())
+    assert saved(last) == saved(tmp_path / "one" / "checkpoint-3")  # the tied head once, as one process saves it
 
 
 class Killed(Exception):

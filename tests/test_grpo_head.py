@@ -7,7 +7,7 @@ from helpers import assert_no_worse, leaf, make_problem
 from test_grpo_loss import check, run
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastgrpo import chunked, grpo_head
+from fastgrpo import chunked
 from fastgrpo.loss import LossConfig, fused_grpo_loss, token_logprobs
 from fastgrpo.loss_config import LOSS_TYPES
 
@@ -25,7 +25,7 @@ def _grads(p, config, combine, dtype=torch.float64):
 
 @pytest.fixture(autouse=True)
 def default_backend(monkeypatch):
-    monkeypatch.setenv("FASTGRPO_BACKEND", "torch")
+    monkeypatch.setenv("FASTGRPO_BACKEND", "chunked")
 
 
 CONFIG = LossConfig(loss_type="dapo", beta=0.04, epsilon_high=0.28)
@@ -91,11 +91,14 @@ def test_sequence_longer_than_a_chunk_takes_two_passes(monkeypatch, loss_type):
     """Sequence-level ratios with chunks of 4 tokens: rows of up to 9 tokens run two passes, and loss, gradients and
     metrics still match the float64 reference."""
     monkeypatch.setenv("FASTGRPO_CHUNK_TOKENS", "4")
-    before = grpo_head.STATS["two_pass_sequences"]
     config = LossConfig(loss_type=loss_type, importance_sampling_level="sequence", beta=0.04, epsilon_high=0.28,
                         max_completion_length=16)
-    check(monkeypatch, "torch", torch.float32, make_problem(), config)
-    assert grpo_head.STATS["two_pass_sequences"] > before
+    check(monkeypatch, "chunked", torch.float32, make_problem(), config)
+    p = make_problem()
+    with CountMatmuls() as counter:  # a second pass forms a long row's logits again: more than 3 GEMMs of FLOPs
+        run(monkeypatch, "chunked", torch.float32, p, config)
+    (N, H), V = p["hidden"][p["mask"] != 0].shape, p["weight"].shape[0]
+    assert counter.flops > 3 * 2 * N * H * V
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -105,7 +108,7 @@ def test_chunk_size_does_not_change_the_result(monkeypatch, level):
     results = []
     for tokens in ("3", "7", "100000"):
         monkeypatch.setenv("FASTGRPO_CHUNK_TOKENS", tokens)
-        results.append(run(monkeypatch, "torch", torch.float64, p, config)[0])
+        results.append(run(monkeypatch, "chunked", torch.float64, p, config)[0])
     for other in results[1:]:
         for name in results[0]:
             torch.testing.assert_close(other[name], results[0][name], rtol=1e-10, atol=1e-13)
@@ -176,7 +179,7 @@ def test_large_logits_keep_the_loss_finite(monkeypatch, offset):
     training path's unshifted passes give way to the shifted ones before the entropy's sum of exp(z) z overflows."""
     p = make_problem()
     p["bias"] = p["bias"] + offset
-    check(monkeypatch, "torch", torch.float32, p, LossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01))
+    check(monkeypatch, "chunked", torch.float32, p, LossConfig(loss_type="dapo", beta=0.04, entropy_coef=0.01))
 
 
 def test_no_grad_loss_equals_the_training_loss():
@@ -222,25 +225,28 @@ def test_bf16_cpu_path_no_worse_than_torch(monkeypatch):
     rounded = {k: (v.to(torch.bfloat16).double() if k in ("hidden", "weight", "bias") else v) for k, v in p.items()}
     truth, _ = run(monkeypatch, "reference", torch.float64, rounded, CONFIG)
     same, _ = run(monkeypatch, "reference", torch.bfloat16, p, CONFIG)
-    fast, _ = run(monkeypatch, "torch", torch.bfloat16, p, CONFIG)
+    fast, _ = run(monkeypatch, "chunked", torch.bfloat16, p, CONFIG)
     for name in truth:
         assert_no_worse(f"bf16/{name}", fast[name], same[name], truth[name], torch.bfloat16)
 
 
+@pytest.mark.parametrize("softcap", [None, 2.5])
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_triton_rows_match_torch_rows(with_entropy):
-    """The CUDA row passes (Triton, here under TRITON_INTERPRET=1 in fp32) give what the CPU's TorchRows give."""
+def test_cuda_row_kernels_match_the_cpu_kernels(with_entropy, softcap):
+    """The row ops' CUDA kernels (Triton, here under TRITON_INTERPRET=1 in fp32) give what their CPU kernels give:
+    statistics, and dZ written over Z."""
     pytest.importorskip("triton")
-    from fastgrpo.kernels.logit_rows import TritonRows
-
     torch.manual_seed(0)
     z, ids = torch.randn(5, 300) * 3, torch.randint(0, 300, (5,))
     g, h = torch.randn(5), (torch.randn(5) if with_entropy else None)
-    cpu, tri = chunked.TorchRows(z.clone(), ids), TritonRows(z.clone(), ids)
-    for name in ("lse", "logp", "entropy"):
-        torch.testing.assert_close(getattr(tri, name), getattr(cpu, name), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(tri.grad(g, h, 0.7, torch.float32), cpu.grad(g, h, 0.7, torch.float32), rtol=1e-5,
-                               atol=1e-6)
+    cpu = chunked.logit_row_stats(z, ids, softcap, True, None)
+    cuda = chunked._logit_row_stats_cuda(z, ids, softcap, True, None)
+    for name, a, b in zip(("lse", "logp", "entropy"), cuda, cpu, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    dz_cpu, dz_cuda = z.clone(), z.clone()
+    chunked.logit_row_grad_(dz_cpu, ids, cpu[0], cpu[2], g, h, 0.7, softcap, None)
+    chunked._logit_row_grad_cuda(dz_cuda, ids, cpu[0], cpu[2], g, h, 0.7, softcap, None)
+    torch.testing.assert_close(dz_cuda, dz_cpu, rtol=1e-5, atol=1e-6)
 
 
 def _three_way(monkeypatch, p, config, importance_weights=None, dtype=torch.float32):
@@ -257,7 +263,7 @@ def _three_way(monkeypatch, p, config, importance_weights=None, dtype=torch.floa
     rounded = {k: (v.to(dtype).double() if k in ("hidden", "weight", "bias") else v) for k, v in p.items()}
     truth, truth_metrics = once("reference", torch.float64, rounded)
     same, _ = once("reference", dtype, p)
-    fast, metrics = once("torch", dtype, p)
+    fast, metrics = once("chunked", dtype, p)
     for name in truth:
         assert_no_worse(f"{name}", fast[name], same[name], truth[name], dtype)
     assert metrics.keys() == truth_metrics.keys()
@@ -300,15 +306,15 @@ def test_token_logprobs_with_logit_transforms(monkeypatch, softcap):
     ids = p["ids"].clamp(min=0)
     kwargs = dict(temperature=0.9, logit_scale=1.3, logit_softcap=softcap, return_entropy=True)
     outs = {}
-    for backend, dtype in (("reference", torch.float64), ("reference", torch.float32), ("torch", torch.float32)):
+    for backend, dtype in (("reference", torch.float64), ("reference", torch.float32), ("chunked", torch.float32)):
         monkeypatch.setenv("FASTGRPO_BACKEND", backend)
         x, w = leaf(p["hidden"], dtype), leaf(p["weight"], dtype)
         logp, ent = token_logprobs(x, w, ids, **kwargs)
         (logp.sum() + 0.3 * ent.sum()).backward()
         outs[backend, dtype] = {"logp": logp.detach(), "entropy": ent.detach(), "d_hidden": x.grad,
                                 "d_weight": w.grad}
-    for name in outs["torch", torch.float32]:
-        assert_no_worse(name, outs["torch", torch.float32][name], outs["reference", torch.float32][name],
+    for name in outs["chunked", torch.float32]:
+        assert_no_worse(name, outs["chunked", torch.float32][name], outs["reference", torch.float32][name],
                         outs["reference", torch.float64][name], torch.float32)
 
 

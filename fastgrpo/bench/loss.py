@@ -5,10 +5,8 @@ Workload per case: an lm_head W [V, H] (~N(0, 1/H)), hidden states [B, T, H] ~ N
 dapo loss, and, at beta != 0, reference logprobs. All methods get the same tensors (seeded on the device).
 
 Methods (each in its own process, so no method sees another's compiled kernels or cached memory):
-  fastgrpo   fastgrpo.loss.fused_grpo_loss on the default backend: the gradient is computed in the forward (3 GEMMs
+  fastgrpo   fastgrpo.loss.fused_grpo_loss on the default path: the gradient is computed in the forward (3 GEMMs
              per chunk), the backward only scales it; forward mode: fastgrpo.loss.token_logprobs of the valid tokens
-  fused      the same calls with FASTGRPO_BACKEND=fused: the fully fused Triton kernels (atomics in the backward);
-             CUDA only (under TRITON_INTERPRET=1 on a CPU they run, but their time means nothing)
   reference  fastgrpo.reference (full [N, V] logits), the yardstick every row's loss is compared with
   trl        TRL 1.16's own path: `trl.kernels.ChunkedLogProbFunction` called as `trl.trainer.utils.add_fused_lm_head`
              calls it in the GRPOTrainer (valid tokens only, TRL's chunk size, outputs log_probs + entropy), then
@@ -33,7 +31,7 @@ forward), full (forward + backward). Gradients are taken w.r.t. both hidden and 
 
 FLOPs counted (the GEMMs a method runs, 2 * rows * H * V each; Nv = valid tokens = 0.9 N, N = all tokens):
   fastgrpo, floor        forward 2 Nv H V;  backward 0 (fastgrpo; floor 4 Nv H V);  full 6 Nv H V
-  fused, trl, torch_lce, floor4   forward 2 Nv H V;  backward 6 Nv H V (recompute, dX, dW);  full 8 Nv H V
+  trl, torch_lce, floor4   forward 2 Nv H V;  backward 6 Nv H V (recompute, dX, dW);  full 8 Nv H V
   reference              forward 2 Nv H V;  backward 4 N H V (dX, dW; logits stored); full 6 N H V
   liger                  forward 4 N H V (it forms dX too);  backward 0 (done in forward);  full 8 N H V
 The softmax, exp and loss math are not counted. TFLOP/s = FLOPs / median time.
@@ -72,7 +70,7 @@ HEADS = {  # name: (hidden size H, vocab size V)
 GPU_HEADS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama-3-8b")
 GPU_TOKENS = (2048, 8192, 16384, 32768)
 QUICK = dict(heads=("cpu-h64-v4096", "cpu-h128-v16384"), tokens=(256, 2048), betas=(0.04,), repeats=3, warmup=1)
-METHODS = ("fastgrpo", "fused", "reference", "trl", "torch_lce", "liger", "floor", "floor4", "linear")
+METHODS = ("fastgrpo", "reference", "trl", "torch_lce", "liger", "floor", "floor4", "linear")
 MODES = ("forward", "backward", "full")
 MASKED_FRACTION = 0.1
 # GEMMs of [rows, H] x [H, V] per method and mode, rows being the valid tokens Nv ("valid") or all N ("all")
@@ -81,7 +79,6 @@ GEMMS = {
     "fastgrpo": {"forward": (1, "valid"), "backward": (0, "valid"), "full": (3, "valid")},
     "floor": {"forward": (1, "valid"), "backward": (2, "valid"), "full": (3, "valid")},
     "linear": {"forward": (1, "valid"), "backward": (2, "valid"), "full": (3, "valid")},
-    "fused": _RECOMPUTE,
     "trl": _RECOMPUTE,
     "torch_lce": _RECOMPUTE,
     "floor4": _RECOMPUTE,
@@ -89,7 +86,7 @@ GEMMS = {
     "liger": {"forward": (2, "all"), "backward": (0, "all"), "full": (4, "all")},
 }
 FLOORS = ("floor", "floor4", "linear")
-PEERS = ("floor", "floor4", "linear", "trl", "torch_lce", "liger", "fused", "reference")
+PEERS = ("floor", "floor4", "linear", "trl", "torch_lce", "liger", "reference")
 
 
 @dataclass(frozen=True)
@@ -193,7 +190,7 @@ def loss_fn(method: str, beta: float, device: torch.device):
     from fastgrpo.loss import fused_grpo_loss
 
     config = _config(beta)
-    if method in ("fastgrpo", "fused"):  # (the backend is the process's FASTGRPO_BACKEND)
+    if method == "fastgrpo":
         return lambda inp: fused_grpo_loss(inp.hidden, inp.weight, inp.ids, inp.mask, inp.advantages,
                                            ref_logps=inp.ref_logps, config=config)[0]
     if method == "reference":
@@ -238,7 +235,7 @@ def forward_fn(method: str, beta: float, device: torch.device):
     from fastgrpo import reference
     from fastgrpo.loss import token_logprobs
 
-    if method in ("fastgrpo", "fused"):
+    if method == "fastgrpo":
         return lambda inp: token_logprobs(inp.x_valid, inp.weight.detach(), inp.ids_valid)[0]
     if method == "torch_lce":
         return lambda inp: _torch_logprobs(inp.x_valid, inp.weight.detach(), inp.ids_valid)
@@ -341,17 +338,12 @@ def measure_case(method: str, case: Case, settings: Settings) -> dict:
 def measure_all(method: str, cases: list[Case], settings: Settings) -> list[dict]:
     """Every case for one method, in this process; a failing case (out of memory) becomes a row with its error."""
     torch.set_num_threads(settings.threads)
-    if method in ("fastgrpo", "fused"):
-        from fastgrpo.loss import resolve_backend
-
-        os.environ["FASTGRPO_BACKEND"] = "fused" if method == "fused" else "torch"
-        backend = resolve_backend(torch.device(settings.device))
+    if method == "fastgrpo":
+        os.environ["FASTGRPO_BACKEND"] = "chunked"
     rows = []
     for case in cases:
         try:
             row = measure_case(method, case, settings)
-            if method in ("fastgrpo", "fused"):
-                row["fastgrpo_backend"] = backend
         except Exception as error:  # noqa: BLE001 (torch.OutOfMemoryError and friends: report, go on)
             row = {"method": method, **asdict(case), "dtype": settings.dtype,
                    "error": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
@@ -384,13 +376,11 @@ def available(method: str, device: str) -> str | None:
     """None when the method can run here, else why not."""
     import importlib.util
 
-    package = {"trl": "trl", "liger": "liger_kernel", "fused": "triton"}.get(method)
+    package = {"trl": "trl", "liger": "liger_kernel"}.get(method)
     if package and importlib.util.find_spec(package) is None:
         return f"{method}: skipped, {package} is not installed"
     if method == "linear" and device == "cuda":
         return "linear: skipped, on CUDA the floor is the bare linear layer (one cuBLAS GEMM)"
-    if method == "fused" and device != "cuda":
-        return "fused: skipped, the fused Triton kernels time only on CUDA (the CPU interpreter checks correctness)"
     if method == "torch_lce" and not hasattr(torch.nn, "LinearCrossEntropyOptions"):
         return f"torch_lce: skipped, torch {torch.__version__} has no chunked F.linear_cross_entropy"
     return None
@@ -542,7 +532,6 @@ def run(args: argparse.Namespace) -> list[dict]:
         ("/ floor", "time_vs_floor", ".2f"), ("/ floor4", "time_vs_floor4", ".2f"),
         ("/ linear", "time_vs_linear", ".2f"), ("/ TRL", "time_vs_trl", ".2f"),
         ("/ torch", "time_vs_torch_lce", ".2f"), ("/ Liger", "time_vs_liger", ".2f"),
-        ("/ fused", "time_vs_fused", ".2f"),
         ("/ reference", "time_vs_reference", ".2f"), ("mem / TRL", "memory_vs_trl", ".2f"),
         ("loss", "loss", ".6f"), ("mean logp", "mean_logp", ".5f"),
     ])

@@ -125,11 +125,8 @@ def measure(method: str, workload: Workload) -> dict:
         step_s, step_peak, loss = harness.time_call(lambda _: step(), device, **timing)
     import trl
 
-    from fastgrpo.loss import resolve_backend
-
     tokens = workload.completions * workload.completion_len
-    backend = resolve_backend(device) if method == "fastgrpo" else None
-    return {"method": method, **asdict(workload), "trl": trl.__version__, "fastgrpo_backend": backend,
+    return {"method": method, **asdict(workload), "trl": trl.__version__,
             "tokens": tokens, "loss": loss.item(),
             "mean_logp": logps.float().mean().item(), "logprobs_seconds": logprobs_s,
             "logprobs_peak_bytes": logprobs_peak, "step_seconds": step_s, "step_peak_bytes": step_peak,

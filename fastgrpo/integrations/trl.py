@@ -166,7 +166,8 @@ _EXTREMES = {"clip_ratio/low_min": nanmin, "clip_ratio/high_max": nanmax}
 def _loss_config(args) -> LossConfig:
     """TRL's GRPOConfig as fastgrpo's LossConfig."""
     if args.loss_type not in LOSS_TYPES:
-        raise ValueError(f"FastGRPOTrainer does not support loss_type={args.loss_type!r}: supported are {LOSS_TYPES}")
+        raise ValueError(f"FastGRPOTrainer does not support loss_type={args.loss_type!r}: supported are "
+                         f"{tuple(LOSS_TYPES)}")
     if args.max_completion_length is None and args.loss_type == "dr_grpo":
         raise ValueError("FastGRPOTrainer: loss_type='dr_grpo' needs max_completion_length (its normaliser), got None")
     try:

@@ -111,6 +111,14 @@ def _dcp_options(model, full: bool = False):
     return StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=frozen, strict=not frozen)
 
 
+def _without_tied_copies(model, state: dict) -> dict:
+    """A gathered full state dict without the second names of tied parameters (a tied lm_head.weight): gathered,
+    the two names hold two tensors, which save_pretrained would write twice, where one process writes one."""
+    first = {id(p): name for name, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+    again = {name for name, p in model.named_parameters(remove_duplicate=False) if first[id(p)] != name}
+    return {name: tensor for name, tensor in state.items() if name not in again}
+
+
 def save_sharded(output_dir: Path, step: int, world, model, tokenizer, optimizer, scheduler, state: dict,
                  total_limit: int | None, export: bool) -> Path:
     """A collective: every rank writes its shards; rank 0 the rest, then renames the folder into place once all
@@ -128,7 +136,7 @@ def save_sharded(output_dir: Path, step: int, world, model, tokenizer, optimizer
     final = None
     if world.is_main:
         if export:
-            model.save_pretrained(partial, state_dict=full, safe_serialization=True)
+            model.save_pretrained(partial, state_dict=_without_tied_copies(model, full), safe_serialization=True)
         find_hf_model(model).config.save_pretrained(partial)
         _write_state(partial, step, tokenizer, scheduler, state)
     world.barrier()  # every rank's shards are on disk

@@ -95,7 +95,7 @@ class TrainConfig:
                                 choices=("group", "batch", "none"))
     mask_truncated_completions: bool = option(False, "leave completions that hit max_completion_length out of the loss")
     # -- loss --
-    loss_type: str = option("dapo", "normalisation of the token losses", choices=LOSS_TYPES)
+    loss_type: str = option("dapo", "normalisation of the token losses", choices=tuple(LOSS_TYPES))
     beta: float = option(0.0, "k3 KL coefficient; 0 loads no reference model")
     epsilon: float = option(0.2, "clip range below 1 (and above, unless epsilon_high is set)")
     epsilon_high: float | None = option(

@@ -38,6 +38,7 @@ from transformers import get_scheduler
 from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES, LossConfig
 from fastgrpo.memory import peak_memory, reset_peak_memory
 from fastgrpo.models import find_hf_model, stop_token_ids
+from fastgrpo.reference import RATIO_METRICS
 from fastgrpo.sampling import Engine, SamplingParams
 from fastgrpo.train import checkpoint, distributed, run_dir
 from fastgrpo.train.config import TrainConfig
@@ -390,16 +391,15 @@ class Trainer:
 
     def _share_scale(self, whole: list[int], index: list[int], tokens: list[int]) -> tuple[float, LossConfig]:
         """(the factor on this rank's share of a global micro-batch, its loss options) such that the gradients,
-        averaged over K ranks, are those of one process's loss on the whole micro-batch. Normalisers that are a mean
-        over the micro-batch's sequences (grpo, sapo, luspo, dr_grpo) are the same on equal shares: factor 1. A
-        normaliser over the whole round's tokens (dapo, cispo) is a sum over shares: factor K. bnpo's and the entropy
-        bonus's mean over the micro-batch's tokens: factor K * (share's tokens) / (micro-batch's tokens)."""
+        averaged over K ranks, are those of one process's loss on the whole micro-batch (the loss type's
+        LossType.share_scale). The entropy bonus is a mean over the micro-batch's tokens: factor K * (share's
+        tokens) / (micro-batch's tokens), folded into its coefficient where the loss's factor differs."""
         K = self.world.size
         if K == 1:
             return 1.0, self.loss_config
         config = self.loss_config
         share = K * sum(tokens[i] for i in index) / max(sum(tokens[i] for i in whole), 1)
-        scale = {"bnpo": share, "dapo": K, "cispo": K}.get(config.loss_type, 1.0)
+        scale = config.kind.share_scale(K, share)
         if config.entropy_coef != 0.0 and scale != 0.0 and share != scale:
             config = dataclasses.replace(config, entropy_coef=config.entropy_coef * share / scale)
         return float(scale), config
@@ -462,7 +462,6 @@ class Trainer:
 # Metrics of a micro-batch that are not a mean over its loss tokens: how the shares of a global micro-batch combine.
 SUMMED = ("loss", "policy_loss")  # already scaled per share
 SAME = ("grad_norm",)  # the same on every rank
-SEQUENCE_LEVEL = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")
 
 
 def merge_metrics(parts: list[tuple[dict, list]], sequence_level: bool) -> dict[str, list[float]]:
@@ -482,7 +481,7 @@ def merge_metrics(parts: list[tuple[dict, list]], sequence_level: bool) -> dict[
             pick = min if key.endswith(("_min", "/min")) else max
             merged[key] = [pick((v for v in column if not math.isnan(v)), default=math.nan) for column in columns]
         else:
-            k = 1 if sequence_level and key in SEQUENCE_LEVEL else 0
+            k = 1 if sequence_level and key in RATIO_METRICS else 0
             counts = list(zip(*(weights for _, weights in parts), strict=True))  # per micro-batch, per rank
             merged[key] = [sum(v * w[k] for v, w in zip(column, count, strict=True) if w[k]) /
                            max(sum(w[k] for w in count), 1) for column, count in zip(columns, counts, strict=True)]

@@ -7,8 +7,8 @@ parameter gradients are compared with fastgrpo's, computed from the same model's
 
 Each case fixes one loss type, beta (0, or 0.04 with `ref_per_token_logps`), importance_sampling_level and policy
 ("on": no `old_per_token_logps`; "off": `old_per_token_logps` perturbed far enough from the policy to clip). Each runs
-on fastgrpo's default backend (CPU: the chunked torch path), the "reference" backend and the Triton kernels (under
-TRITON_INTERPRET=1 on a machine without CUDA; compiled, on a CUDA copy of the model, where CUDA is available).
+on fastgrpo's default path (on the CPU: PyTorch row passes), the "reference" backend and, where CUDA is available,
+the default path on a CUDA copy of the model (cuBLAS GEMMs and the Triton row kernels; skipped without CUDA).
 """
 
 import copy
@@ -28,7 +28,7 @@ from fastgrpo.loss_config import LOSS_TYPES  # noqa: E402
 from fastgrpo.reference import token_logprobs  # noqa: E402
 
 # Both sides are fp32 throughout. TRL scores tokens with its own chunked fused head (dividing the logits by the
-# temperature) and fastgrpo with its chunked torch path / Triton kernels / full logits (multiplying by 1/T, other
+# temperature) and fastgrpo with its chunked path / full logits (multiplying by 1/T, other
 # matmul blockings), so they differ only by fp32 rounding: ~1e-7 relative per op, amplified at most ~10x through the
 # log-softmax over V ~ 300 and the sums over ~25 tokens. rtol 1e-5 / atol 1e-6 leaves ~10x margin above that while any
 # formula difference (normaliser, mask, clipping, KL correction) shows up at >= 1e-3. Gradients go through the

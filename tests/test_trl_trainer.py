@@ -41,10 +41,10 @@ from fastgrpo.integrations.trl import REFUSALS, FastGRPOTrainer, check_trl_versi
 from fastgrpo.loss_config import CLIP_LOSS_TYPES, LOSS_TYPES  # noqa: E402
 
 # Both trainers run in fp32 on the same completions; they differ only in how the logprobs and the loss are summed
-# (TRL: its chunked fused head dividing logits by T; fastgrpo: its chunked torch path or Triton kernels multiplying
+# (TRL: its chunked fused head dividing logits by T; fastgrpo: its chunked path multiplying
 # by 1/T, other blockings), ~1e-7 relative per op, amplified at most ~10x through the log-softmax over V = 43 and
 # sums over <= 128 tokens. Observed maxima (printed at module teardown with -s): losses and metrics use <= 0.3 of
-# their tolerance, first-step gradients differ by <= 7e-7 x max|grad| (Triton kernels: 3e-6), parameters after two
+# their tolerance, first-step gradients differ by <= 7e-7 x max|grad|, parameters after two
 # steps by <= 2e-7.
 # - Losses: rtol 1e-5 / atol 1e-6 (the atol covers losses that are ~0 because the group advantages sum to 0).
 # - Gradients at the first step: per parameter, max|diff| <= 1e-5 x max|TRL's gradient| (entries near

@@ -1,4 +1,4 @@
-"""Peak host memory above the inputs of one forward+backward of the loss, chunked torch path vs the reference.
+"""Peak host memory above the inputs of one forward+backward of the loss, chunked path vs the reference.
 
 Each method runs in a fresh process; the peak resident set is reset after the inputs are built (Linux
 `/proc/self/clear_refs`), so the reported figure is what the loss itself adds.

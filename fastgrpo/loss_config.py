@@ -21,6 +21,14 @@ class LossType:
     policy: str
     normaliser: str
 
+    POLICIES = ("clip", "cispo", "sapo")
+    NORMALISERS = ("sequence", "tokens", "max_length", "items", "rows")
+
+    def __post_init__(self):
+        if self.policy not in self.POLICIES or self.normaliser not in self.NORMALISERS:
+            raise ValueError(f"LossType needs a policy in {self.POLICIES} and a normaliser in {self.NORMALISERS}, got "
+                             f"{self.policy!r} and {self.normaliser!r}")
+
     def share_scale(self, world_size: int, token_share: float) -> float:
         """The factor on one of K equal shares of a micro-batch such that the K shares' gradients, averaged, are the
         whole micro-batch's: a per-row mean is the same on every share (1); a sum over the round's tokens is split

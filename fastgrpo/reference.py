@@ -61,7 +61,8 @@ def row_weights(mask, config: LossConfig, num_items_in_batch=None):
     elif normaliser == "items":
         items = mask.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=mask.device)
         norm = items.to(mask.dtype).clamp(min=1.0)
-    else:  # rows
+    else:
+        assert normaliser == "rows", normaliser
         norm = mask.new_tensor(float(B))
     return (1.0 / norm).expand(B)
 
@@ -99,7 +100,8 @@ def token_objective(logps, mask, advantages, old_logps, ref_logps, config: LossC
         if c.delta is not None:
             coef_1 = torch.clamp(coef_1, max=c.delta)
         loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    else:  # sapo
+    else:
+        assert policy == "sapo", policy
         temperatures = torch.where(advantages > 0, c.sapo_temperature_pos, c.sapo_temperature_neg)
         loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * advantages
 

@@ -153,3 +153,22 @@ def test_defaults_follow_trl():
     assert (c.importance_sampling_level, c.use_bias_correction_kl, c.max_completion_length) == (
         args.importance_sampling_level, args.use_bias_correction_kl, args.max_completion_length)
     assert (c.sapo_temperature_pos, c.sapo_temperature_neg) == (args.sapo_temperature_pos, args.sapo_temperature_neg)
+
+
+def test_a_new_loss_type_is_one_row_of_the_table(monkeypatch):
+    """A loss type is its row in LOSS_TYPES: one added there (a clipped policy normalised by the micro-batch's tokens)
+    runs through the default path, the reference and the trainer's share scaling with nothing else touched, and
+    equals the built-in loss type of the same row (bnpo)."""
+    from fastgrpo.loss_config import LossType
+
+    monkeypatch.setitem(LOSS_TYPES, "bnpo_again", LossType("clip", "tokens"))
+    p = make_problem(seed=4)
+    mine, mine_metrics = run(monkeypatch, "chunked", torch.float64, p, LossConfig(loss_type="bnpo_again", beta=0.04))
+    bnpo, bnpo_metrics = run(monkeypatch, "chunked", torch.float64, p, LossConfig(loss_type="bnpo", beta=0.04))
+    for name in bnpo:
+        assert torch.equal(mine[name], bnpo[name]), name
+    assert mine_metrics.keys() == bnpo_metrics.keys()
+    check(monkeypatch, "chunked", torch.float32, p, LossConfig(loss_type="bnpo_again", beta=0.04))
+    assert LossConfig(loss_type="bnpo_again").kind.share_scale(4, 1.5) == 1.5
+    with pytest.raises(ValueError, match="normaliser"):
+        LossType("clip", "per_token")

@@ -1,4 +1,5 @@
-"""fastgrpo's default head: chunked GEMMs (cuBLAS on a GPU), memory-bound row passes, the gradient in the forward.
+"""The pieces of fastgrpo's default head (the loops are fastgrpo.grpo_head's): chunk sizes, the chunk GEMMs, the row
+passes as registered ops (the compile boundary) and a CPU's blocked no-grad pass.
 
 Per chunk of C selected tokens x_c [C, H], lm_head W [V, H], optional bias b [V], temperature T:
 
@@ -12,10 +13,12 @@ Per chunk of C selected tokens x_c [C, H], lm_head W [V, H], optional bias b [V]
 So a forward+backward is 3 GEMMs of 2 C H V FLOPs per chunk, the floor of any exact method (a bare linear layer's
 forward and backward), plus two passes over Z whose time is bytes / bandwidth. Nothing is recomputed and nothing
 is reduced with atomics. The row passes run as Triton kernels on CUDA (kernels/logit_rows.py) and in PyTorch
-elsewhere; logits are formed in fp32 and never rounded to the input dtype before the logsumexp.
+elsewhere, behind two torch.library ops; logits are formed in fp32 and never rounded to the input dtype before
+the logsumexp.
 
 With no gradient wanted (old/ref passes, evaluation) a chunk costs one GEMM and the row statistics. A CPU forms
-and consumes its logits one vocab block at a time (cpu_row_stats), so the exp runs on logits still in cache.
+and consumes its logits one vocab block at a time (cpu_row_stats), so the exp runs on logits still in cache; it
+checks its sums' range on the host, so under torch.compile the no-grad pass takes the chunk loop instead.
 
 `token_logprobs` with a gradient (the caller's g, h arrive only in the backward) keeps the recompute form: the
 backward forms each chunk's Z again (4 GEMMs in all).
@@ -287,7 +290,7 @@ def logprobs_no_grad(x, weight, bias, ids, logits: LogitMap, entropy=True):
 
 def chunked_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent, sl: slice):
     """logp[sl] (and ent[sl] when `ent` is given) written in place from chunks of chunk_tokens rows of x[sl] and their
-    whole rows of logits (TritonRows on CUDA, TorchRows' shifted-when-needed passes on a CPU)."""
+    whole rows of logits (the row ops: Triton on CUDA; on a CPU the passes that subtract the max when needed)."""
     step = chunk_tokens(w.shape[0], x.device)
     buffers = ChunkBuffers(x[sl], w.shape[0], step)
     for start in range(sl.start, sl.stop, step):
@@ -303,7 +306,7 @@ def cpu_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent=None):
     """A CPU's no-grad pass: logp [N] (and entropy [N] when `ent` is given) written in place, for x [N, H] and the
     weight w [V, H] of the GEMM dtype. Each chunk's logits are formed one vocab block at a time in one reused buffer
     and consumed there, in cache: the unshifted sums s = sum_v exp(z_v), t = sum_v exp(z_v) z_v and the target's
-    logit add up over the blocks (the TorchRows argument: exact while every row's s stays in range); a chunk with a
+    logit add up over the blocks (logit_row_stats's argument: exact while every row's s stays in range); a chunk with a
     row out of range is computed again by chunked_row_stats."""
     N, V = x.shape[0], w.shape[0]
     chunk = stats_chunk_tokens(V, x.device)

@@ -287,19 +287,3 @@ def logit_row_grad(z, ids, lse, entropy, g, h, *, scale=1.0, softcap=None, out):
         HAS_H=h is not None, HAS_SOFTCAP=softcap is not None, BLOCK_V=block_v, num_warps=warps,
     )
     return out
-
-
-class TritonRows:
-    """The row passes of one chunk for fastgrpo.chunked (same interface as its TorchRows): the statistics now, the
-    gradient on demand, written over Z when the GEMM dtype is fp32, else into a new buffer of that dtype."""
-
-    def __init__(self, z, ids, softcap=None):
-        self.z, self.ids, self.softcap = z, ids, softcap
-        self.lse, self.logp, self.entropy = logit_row_stats(z, ids, softcap=softcap)
-
-    def grad(self, g, h, scale, dtype):
-        out = self.z if dtype == self.z.dtype else torch.empty(self.z.shape, dtype=dtype, device=self.z.device)
-        return logit_row_grad(self.z, self.ids, self.lse, self.entropy, g.float().contiguous(),
-                              None if h is None else h.float().contiguous(), scale=scale, softcap=self.softcap,
-                              out=out)
-

@@ -5,7 +5,8 @@ Each step is one generation round:
   2. score     weighted rule rewards -> advantages per group (TRL's scale_rewards; flat groups get 0)
   3. no-grad   reference logprobs (beta > 0; with LoRA the base with adapters off) and old logprobs (when updates
                go off-policy: num_iterations > 1 or several optimizer steps per round, or with
-               importance_sampling_correction), fused logprob path; then TRL's truncated IS weights of old against
+               importance_sampling_correction), fastgrpo.loss.token_logprobs without grad (one GEMM and the row
+               statistics per chunk); then TRL's truncated IS weights of old against
                the sampler's logprobs (importance_sampling_correction)
   4. update    num_iterations passes; each optimizer step accumulates micro-batches: backbone forward (gradient
                checkpointing; packed when the attention is varlen, else length-bucketed padding) -> completion

@@ -83,12 +83,14 @@ def _unit_loss(logp, unit: _Unit, tokens: TokenInputs, config: LossConfig):
     return (objective * mask * rows(part(tokens.weights))).sum()
 
 
-def _objective_and_grad(logp, unit: _Unit, tokens: TokenInputs, config: LossConfig):
-    """(the unit's share of the loss, its gradient w.r.t. the unit's logp [n], the entropy bonus's d/dentropy [n] or
-    None)."""
+def _objective_and_grad(logp, entropy, unit: _Unit, tokens: TokenInputs, config: LossConfig):
+    """(the unit's share of the loss with its entropy bonus, the gradients w.r.t. the unit's logp [n] and entropy [n]
+    (None without a bonus))."""
     g, value = torch.func.grad_and_value(lambda lp: _unit_loss(lp, unit, tokens, config))(logp)
-    h = None if tokens.entropy_weights is None else -tokens.entropy_weights[unit.start : unit.end]
-    return value, g, h
+    if tokens.entropy_weights is None:
+        return value, g, None
+    h = -tokens.entropy_weights[unit.start : unit.end]
+    return value + (h * entropy).sum(), g, h
 
 
 def _loss_and_grads(x, weight, bias, ids, tokens: TokenInputs, config: LossConfig, need):
@@ -101,26 +103,23 @@ def _loss_and_grads(x, weight, bias, ids, tokens: TokenInputs, config: LossConfi
     loss = torch.zeros((), dtype=out_dtype, device=x.device)
     chunk = chunk_tokens(V, x.device)
     for unit in _units(N, chunk, tokens.row_lengths):
-        if unit.end - unit.start <= chunk:
-            pieces = [slice(unit.start, unit.end)]
-        else:  # one sequence longer than a chunk: its logprobs first, then its chunks' logits again
-            pieces = [slice(s, min(s + chunk, unit.end)) for s in range(unit.start, unit.end, chunk)]
-            for sl in pieces:
-                rows = grads.buffers.rows(x[sl], grads.w, bias, logits, ids[sl])
-                logp[sl], ent[sl] = rows.logp, rows.entropy
-        part, g, h = None, None, None
+        pieces = [slice(s, min(s + chunk, unit.end)) for s in range(unit.start, unit.end, chunk)]
+        two_pass = len(pieces) > 1  # one sequence longer than a chunk: its logprobs first, then its logits again
+        for sl in pieces if two_pass else ():
+            rows = grads.buffers.rows(x[sl], grads.w, bias, logits, ids[sl])
+            logp[sl], ent[sl] = rows.logp, rows.entropy
+        g = h = None
         for sl in pieces:
             rows = grads.buffers.rows(x[sl], grads.w, bias, logits, ids[sl])
-            if part is None:
-                if len(pieces) == 1:
+            if g is None:  # the unit's logprobs are all known: its objective's gradient
+                if not two_pass:
                     logp[sl], ent[sl] = rows.logp, rows.entropy
-                part, g, h = _objective_and_grad(logp[unit.start : unit.end], unit, tokens, config)
-                if h is not None:
-                    part = part + (h * ent[unit.start : unit.end]).sum()
+                whole = slice(unit.start, unit.end)
+                part, g, h = _objective_and_grad(logp[whole], ent[whole], unit, tokens, config)
+                loss += part
             within = slice(sl.start - unit.start, sl.stop - unit.start)
             grads.add(sl, rows.grad(g[within], None if h is None else h[within], logits.scale, grads.gemm_dtype))
             del rows  # the chunk's logits go before the next chunk's arrive
-        loss += part
     return loss, logp, ent, grads.result()
 
 

@@ -1,4 +1,4 @@
-"""Peak host memory of the loss, chunked torch path vs the full-logits reference (CPU, Linux). Same as
+"""Peak host memory of the loss, chunked path vs the full-logits reference (CPU, Linux). Same as
 `python -m fastgrpo.bench.cpu_memory`.
 
     python benchmarks/cpu_memory.py --tokens 8192 --hidden 256 --vocab 65536

@@ -9,7 +9,7 @@ from fastgrpo.bench.cpu_memory import run_isolated
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc/self/clear_refs")
 def test_chunked_peak_memory_under_10_percent_of_reference():
-    chunked = run_isolated("torch", 8192, 256, 65536)
+    chunked = run_isolated("chunked", 8192, 256, 65536)
     full = run_isolated("reference", 8192, 256, 65536)
     ratio = chunked["peak_extra_bytes"] / full["peak_extra_bytes"]
     print(f"\npeak above inputs, N=8192 H=256 V=65536 fp32: chunked {chunked['peak_extra_bytes'] / 2**20:.0f} MiB, "

@@ -16,7 +16,7 @@ import torch
 from fastgrpo.bench import run_in_child, suite_main
 from fastgrpo.memory import PeakMemory
 
-METHODS = ("torch", "reference")
+METHODS = ("chunked", "reference")
 
 
 def measure(method: str, tokens: int, hidden: int, vocab: int) -> dict:
@@ -32,6 +32,10 @@ def measure(method: str, tokens: int, hidden: int, vocab: int) -> dict:
     ids = torch.randint(0, vocab, (B, T))
     mask = torch.ones(B, T)
     adv = torch.randn(B)
+    # One small call first: the first call through a torch.library op imports torch._dynamo (~143 MiB resident, which
+    # any transformers forward imports anyway); the figure is the loss's memory, not the process's imports.
+    fused_grpo_loss(h[:1, :8], w, ids[:1, :8], mask[:1, :8], adv[:1], config=LossConfig(beta=0.0))[0].backward()
+    h.grad = w.grad = None
     with PeakMemory(torch.device("cpu")).measure() as memory:
         loss, _ = fused_grpo_loss(h, w, ids, mask, adv, config=LossConfig(beta=0.0))
         loss.backward()
@@ -60,7 +64,7 @@ def run(args: argparse.Namespace) -> list[dict]:
           f"{rows[0]['logits_bytes'] / 2**20:.0f} MiB")
     for r in rows:
         print(f"  {r['method']:<10} peak above inputs: {r['peak_extra_bytes'] / 2**20:8.1f} MiB")
-    print(f"  ratio torch/reference: {rows[0]['peak_extra_bytes'] / rows[1]['peak_extra_bytes']:.3f}")
+    print(f"  ratio chunked/reference: {rows[0]['peak_extra_bytes'] / rows[1]['peak_extra_bytes']:.3f}")
     return rows
 
 

@@ -222,7 +222,7 @@ def test_prompt_past_the_context_window_is_refused_naming_row_and_options(assets
                                          rf"window of {assets['model']} \(64 positions\); lower it below 64"):
         prepared(max_completion_length=64)
     prompts = prepared(max_prompt_length=59)  # cut to fit: 59 + 5 = 64 positions
-    assert len(prompts.token_ids[2]) == 59 and prompts.texts[2] == long_prompt
+    assert len(prompts.token_ids[2]) == 59 and prompts.prompts[2] == long_prompt
 
 
 def test_engine_refuses_to_sample_past_the_context_window():

@@ -82,7 +82,7 @@ def assert_same_metrics(a: list[dict], b: list[dict], tol: float = 1e-6) -> None
     ({"loss_type": "ppo"}, "loss_type must be one of"),
     ({"scale_rewards": "max"}, "scale_rewards must be one of"),
     ({"top_p": 0.0}, "top_p must be in"),
-    ({"reward_funcs": ["nonsense"]}, "reward_funcs: 'nonsense'"),
+    ({"reward_funcs": [""]}, "reward_funcs: '' is not a built-in"),
     ({"reward_weights": [1.0, 2.0, 3.0]}, "reward_weights has 3 values"),
     ({"per_device_train_batch_size": 5}, "multiple of num_generations"),
     ({"steps_per_generation": 3}, "multiple of gradient_accumulation_steps"),
@@ -430,7 +430,7 @@ def test_chat_template_and_system_prompt(assets, tmp_path):
                                "{% endif %}")
     tokenizer.save_pretrained(model_dir)
     trainer = Trainer(make_config(assets, tmp_path, model_name_or_path=str(model_dir), system_prompt="1-1"))
-    text = trainer.train_prompts.texts[0]
+    text = trainer.train_prompts.prompts[0]
     assert trainer.tokenizer.decode(trainer.train_prompts.token_ids[0]) == f"1-1=={text}+"
     plain = Trainer(make_config(assets, tmp_path / "plain", system_prompt="1-1"))
     assert plain.train_prompts.token_ids[0] == plain.tokenizer(f"1-1\n\n{text}").input_ids

@@ -3,6 +3,7 @@
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import shlex
 import signal
@@ -33,6 +34,17 @@ def _none_or(parse):
     return lambda text: None if text.lower() in ("none", "null") else parse(text)
 
 
+def _json_object(text: str) -> dict:
+    """A dict option's value on the command line: a JSON object (TRL's parser takes the same)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON object ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="YAML file of options (e.g. recipes/gsm8k.yaml)")
     defaults = TrainConfig.__dataclass_fields__
@@ -45,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": f"{f.metadata['help']} (default: {default})"}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind is dict:
+            kwargs.update(type=_none_or(_json_object), metavar="JSON")
         elif typing.get_origin(kind) is list:
             (item,) = typing.get_args(kind)
             kwargs.update(nargs="+", type=item, metavar=item.__name__.upper())

@@ -72,11 +72,18 @@ class TrainConfig:
     dataset_config: str | None = option(None, "the dataset's configuration name (hub datasets)")
     dataset_train_split: str = option("train", "split to train on")
     dataset_test_split: str | None = option("test", "held-out split for evaluation; a file for file datasets")
-    prompt_column: str = option("prompt", "column holding the prompt text")
-    answer_column: str | None = option("answer", "column holding the reference answer (for the accuracy reward)")
+    prompt_column: str = option("prompt", "column holding the prompt: a string, or a list of {role, content} "
+                                          "messages (TRL's conversational format) that goes through the chat template")
+    answer_column: str | None = option(
+        "answer", "column holding the reference answer, read by the built-in accuracy reward and the held-out "
+                  "evaluation; with the default, data that has no 'answer' but TRL's 'solution' column uses that; "
+                  "data with neither trains with other rewards and without evaluation")
     answer_delimiter: str | None = option(None, "keep only the answer column's text after the last occurrence of "
                                                 "this string (GSM8K: '####')")
-    system_prompt: str | None = option(None, "system prompt, prepended through the chat template (or as text)")
+    system_prompt: str | None = option(
+        None, "system prompt, prepended through the chat template (or as text); a system message in the data wins")
+    chat_template_kwargs: dict | None = option(
+        None, "extra keywords for the chat template, as JSON on the command line (e.g. {\"enable_thinking\": false})")
     max_prompt_length: int | None = option(512, "prompts are cut to their last this many tokens; None keeps all")
     # -- sampling --
     num_generations: int = option(8, "completions per prompt (G)", aliases=("-G",))
@@ -88,8 +95,8 @@ class TrainConfig:
     sampling_memory_fraction: float = option(0.8, "fraction of free memory the KV cache may take while sampling")
     # -- rewards --
     reward_funcs: list[str] = option(
-        ["accuracy"], f"built-ins {REWARD_FUNCS} or 'module:function' with TRL's signature "
-                      "(prompts, completions, **columns) -> list[float]")
+        ["accuracy"], f"built-ins {REWARD_FUNCS}, 'module:function' or 'file.py:function' with TRL's signature "
+                      "(prompts, completions, **kwargs) -> list[float | None], or a reward model's hub id or path")
     reward_weights: list[float] | None = option(None, "one weight per reward function; default all 1")
     scale_rewards: str = option("group", "divide advantages by the reward std of the group, the batch, or none",
                                 choices=("group", "batch", "none"))
@@ -152,6 +159,9 @@ class TrainConfig:
     eval_num_samples: int = option(200, "held-out prompts per evaluation")
     eval_temperature: float = option(0.0, "evaluation sampling temperature; 0 is greedy (pass@1)")
     report_to: list[str] = option(["tensorboard"], "metric sinks besides metrics.jsonl: tensorboard, wandb, none")
+    log_completions: bool = option(
+        False, "write every sample's prompt, completion, rewards and advantage to completions.jsonl each step, with "
+               "the columns reward functions add through log_extra")
     disable_tqdm: bool = option(False, "no progress bar")
 
     def __post_init__(self):
@@ -196,8 +206,9 @@ class TrainConfig:
         if not self.reward_funcs:
             raise ValueError("reward_funcs must name at least one reward function")
         for name in self.reward_funcs:
-            if name not in REWARD_FUNCS and ":" not in name:
-                raise ValueError(f"reward_funcs: {name!r} is neither a built-in {REWARD_FUNCS} nor 'module:function'")
+            if not isinstance(name, str) or not name.strip():
+                raise ValueError(f"reward_funcs: {name!r} is not a built-in {REWARD_FUNCS}, 'module:function' or a "
+                                 "reward model's hub id or path")
         if self.reward_weights is not None:
             if len(self.reward_weights) != len(self.reward_funcs):
                 raise ValueError(f"reward_weights has {len(self.reward_weights)} values but reward_funcs has "

@@ -6,10 +6,13 @@ dataset_name may be
     path/to/dir              split files <dir>/<split>.jsonl|.json|.parquet (e.g. train.jsonl, test.jsonl)
     org/name                 a hub dataset (needs network access), with dataset_config and the split names
 
-Every row needs a non-empty prompt and, when answer_column is set, an answer: a null or missing answer is refused
-(naming the file, row and line), never scored against the string "None" or skipped. A prompt that with
-max_completion_length does not fit the model's context window is refused too. A name that can only be a path
-(starting with '.', '/' or '~') and does not exist is refused without asking the hub.
+A prompt is a non-empty string (formatted through the tokenizer's chat template as one user message when the
+tokenizer has one) or, as in TRL's conversational datasets, a list of {"role", "content"} messages (through the chat
+template, which such prompts need; a system message in the data wins over system_prompt). When the data has an answer
+column (answer_column; TRL's `solution` stands in for the default `answer`), every row needs an answer: a null or
+missing one is refused (naming the file, row and line), never scored against the string "None" or skipped. A
+prompt that with max_completion_length does not fit the model's context window is refused too. A name that can only
+be a path (starting with '.', '/' or '~') and does not exist is refused without asking the hub.
 """
 
 import json
@@ -20,6 +23,7 @@ import torch
 
 from fastgrpo.train.config import BUILTIN, TrainConfig, is_local_path, read_utf8
 from fastgrpo.train.model import max_positions, not_loadable
+from fastgrpo.train.rewards import is_conversational
 
 FILE_FORMATS = (".jsonl", ".json", ".parquet")
 EVAL_SUBSET_SEED = 0  # the held-out subset is the same for every run, whatever the training seed
@@ -29,7 +33,12 @@ EVAL_SUBSET_SEED = 0  # the held-out subset is the same for every run, whatever 
 class Prompts:
     rows: list[dict]  # the dataset's columns per prompt; the answer column already cut at answer_delimiter
     token_ids: list[list[int]]  # the formatted, tokenized prompt
-    texts: list[str]  # the prompt column, as reward functions see it
+    prompts: list[str | list[dict]]  # as reward functions see them: the text, or the messages the model was given
+    answer_column: str | None  # the column the accuracy reward reads (None: the data has none)
+
+    @property
+    def conversational(self) -> bool:
+        return is_conversational(self.prompts[0])
 
 
 class Rows(list):
@@ -133,25 +142,70 @@ def load_rows(config: TrainConfig, split: str) -> Rows | None:
     return _read_hub(config, split_name)
 
 
-def prompt_token_ids(tokenizer, text: str, config: TrainConfig) -> list[int]:
+def answer_column(config: TrainConfig, rows: Rows) -> str | None:
+    """The column holding the reference answers: answer_column when the data has it; TRL's `solution` in place of the
+    default `answer`; None (no accuracy reward, no evaluation) when the data has neither and nothing needs it."""
+    columns = set(rows[0]) if rows else set()
+    default = TrainConfig.__dataclass_fields__["answer_column"].default
+    if config.answer_column is None or config.answer_column in columns:
+        return config.answer_column
+    if config.answer_column == default and "solution" in columns:
+        return "solution"
+    if config.answer_column == default and "accuracy" not in config.reward_funcs:
+        return None
+    raise ValueError(f"answer_column: column {config.answer_column!r} is not in the train data of {rows.source}; "
+                     f"its columns are {sorted(columns)}"
+                     + ("; the built-in accuracy reward reads the reference answers from it" if "accuracy" in
+                        config.reward_funcs else ""))
+
+
+def prompt_messages(prompt: str | list[dict], config: TrainConfig) -> list[dict]:
+    """The messages a prompt is given to the chat template as: its own (with system_prompt first unless they start
+    with a system message), or the text as one user message."""
+    messages = [dict(m) for m in prompt] if is_conversational(prompt) else [{"role": "user", "content": prompt}]
+    if config.system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": config.system_prompt})
+    return messages
+
+
+def prompt_token_ids(tokenizer, prompt: str | list[dict], config: TrainConfig) -> list[int]:
     """The chat template's generation prompt when the tokenizer has one, else the text itself (system prompt
     first); the last max_prompt_length tokens of it."""
     if tokenizer.chat_template:
-        messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
-        messages.append({"role": "user", "content": text})
-        formatted = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        formatted = tokenizer.apply_chat_template(prompt_messages(prompt, config), add_generation_prompt=True,
+                                                  tokenize=False, **(config.chat_template_kwargs or {}))
         ids = tokenizer(formatted, add_special_tokens=False).input_ids
     else:
-        ids = tokenizer(f"{config.system_prompt}\n\n{text}" if config.system_prompt else text).input_ids
+        ids = tokenizer(f"{config.system_prompt}\n\n{prompt}" if config.system_prompt else prompt).input_ids
     return ids[-config.max_prompt_length :] if config.max_prompt_length else ids
 
 
-def prepare(rows: Rows, tokenizer, config: TrainConfig, what: str) -> Prompts:
-    """Check and tokenize a split's rows; every error names the row (file and line) and the option to change."""
+def _check_prompt(prompt, tokenizer, config: TrainConfig, where: str) -> None:
+    column = config.prompt_column
+    if isinstance(prompt, list) and prompt:
+        for k, message in enumerate(prompt):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message):
+                raise ValueError(f"{where}: prompt column {column!r} holds a list, so each item must be a message "
+                                 f"{{'role': str, 'content': ...}} (TRL's conversational format); item {k} is "
+                                 f"{message!r:.100}")
+        if not tokenizer.chat_template:
+            raise ValueError(f"{where}: prompt column {column!r} holds messages, which need a tokenizer with a chat "
+                             f"template, and {config.model_name_or_path}'s tokenizer has none; give string prompts or "
+                             "a model whose tokenizer has a chat template")
+    elif not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"{where}: prompt column {column!r} must be a non-empty string or a list of "
+                         f"{{'role', 'content'}} messages, got {prompt!r:.100}")
+
+
+def prepare(rows: Rows, tokenizer, config: TrainConfig, what: str, answers: str | None = "auto") -> Prompts:
+    """Check and tokenize a split's rows, with `answers` the answer column ("auto": answer_column(config, rows));
+    every error names the row (file and line) and the option to change."""
     if not rows:
         raise ValueError(f"the {what} split ({rows.source}) is empty")
+    if answers == "auto":
+        answers = answer_column(config, rows)
     columns = set(rows[0])
-    for column, option in ((config.prompt_column, "prompt_column"), (config.answer_column, "answer_column")):
+    for column, option in ((config.prompt_column, "prompt_column"), (answers, "answer_column")):
         if column is not None and column not in columns:
             raise ValueError(f"{option}: column {column!r} is not in the {what} data of {rows.source}; "
                              f"its columns are {sorted(columns)}")
@@ -159,34 +213,32 @@ def prepare(rows: Rows, tokenizer, config: TrainConfig, what: str) -> Prompts:
     if window is not None and config.max_completion_length >= window:
         raise ValueError(f"max_completion_length={config.max_completion_length} leaves no room for a prompt in the "
                          f"context window of {config.model_name_or_path} ({window} positions); lower it below {window}")
-    texts, token_ids, out = [], [], []
+    prompts, token_ids, out = [], [], []
     for i, row in enumerate(rows):
-        text = row.get(config.prompt_column)
-        if not isinstance(text, str) or not text:
-            raise ValueError(f"{rows.where(i)}: prompt column {config.prompt_column!r} must be a non-empty string, "
-                             f"got {text!r:.100}")
+        prompt = row.get(config.prompt_column)
+        _check_prompt(prompt, tokenizer, config, rows.where(i))
         row = dict(row)
-        if config.answer_column is not None:
-            row[config.answer_column] = _answer(row.get(config.answer_column), config, rows.where(i))
-        ids = prompt_token_ids(tokenizer, text, config)
+        if answers is not None:
+            row[answers] = _answer(row.get(answers), answers, config, rows.where(i))
+        ids = prompt_token_ids(tokenizer, prompt, config)
         if window is not None and len(ids) + config.max_completion_length > window:
             raise ValueError(_too_long(len(ids), window, config, rows.where(i)))
-        texts.append(text)
+        prompts.append(prompt_messages(prompt, config) if is_conversational(prompt) else prompt)
         token_ids.append(ids)
         out.append(row)
-    return Prompts(out, token_ids, texts)
+    return Prompts(out, token_ids, prompts, answers)
 
 
-def _answer(answer, config: TrainConfig, where: str):
+def _answer(answer, column: str, config: TrainConfig, where: str):
     """The answer column's value, cut at answer_delimiter; a null answer is refused rather than scored as 'None'."""
     if answer is None:
-        raise ValueError(f"{where}: answer column {config.answer_column!r} is null or missing; give the row an answer, "
+        raise ValueError(f"{where}: answer column {column!r} is null or missing; give the row an answer, "
                          "drop the row, or set answer_column to null if no reward function reads it")
     if config.answer_delimiter is None:
         return answer
     answer = str(answer)
     if config.answer_delimiter not in answer:
-        raise ValueError(f"{where}: answer column {config.answer_column!r} has no answer_delimiter "
+        raise ValueError(f"{where}: answer column {column!r} has no answer_delimiter "
                          f"{config.answer_delimiter!r}: {answer!r:.100}")
     return answer.rsplit(config.answer_delimiter, 1)[1].strip()
 
@@ -203,7 +255,7 @@ def eval_subset(prompts: Prompts, num: int) -> Prompts:
     """A fixed random subset of `num` held-out prompts (all of them if there are fewer)."""
     order = torch.randperm(len(prompts.rows), generator=torch.Generator().manual_seed(EVAL_SUBSET_SEED))[:num]
     pick = lambda values: [values[i] for i in order.tolist()]
-    return Prompts(pick(prompts.rows), pick(prompts.token_ids), pick(prompts.texts))
+    return Prompts(pick(prompts.rows), pick(prompts.token_ids), pick(prompts.prompts), prompts.answer_column)
 
 
 class PromptOrder:

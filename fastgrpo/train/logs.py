@@ -10,15 +10,18 @@ import torch
 
 from fastgrpo.train.config import TrainConfig
 from fastgrpo.train.rewards import Rewards
+from fastgrpo.train.rollout import nanstd
 
 METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"  # log_completions: one line per sample per step
 PLOT_FILE = "training_curves.png"
 
 
-def read_metrics(output_dir: Path, up_to_step: int | None = None) -> list[dict]:
-    """The rows of metrics.jsonl (up to a step). A torn last line, left by a killed write, is dropped with a warning;
-    a bad line before it is an error naming the line. Non-finite numbers (written by older versions) read as None."""
-    path = Path(output_dir) / METRICS_FILE
+def read_metrics(output_dir: Path, up_to_step: int | None = None, file: str = METRICS_FILE) -> list[dict]:
+    """The rows of metrics.jsonl (or of completions.jsonl) up to a step. A torn last line, left by a killed write, is
+    dropped with a warning; a bad line before it is an error naming the line. Non-finite numbers (written by older
+    versions) read as None."""
+    path = Path(output_dir) / file
     if not path.is_file():
         return []
     lines = path.read_text().splitlines()
@@ -40,7 +43,7 @@ def read_metrics(output_dir: Path, up_to_step: int | None = None) -> list[dict]:
 
 def _json_line(row: dict) -> str:
     """One row as strict JSON: non-finite numbers are null (json.dumps would write the invalid `Infinity`)."""
-    return json.dumps({key: _plain(value) for key, value in row.items()}, allow_nan=False) + "\n"
+    return json.dumps({key: _plain(value) for key, value in row.items()}, allow_nan=False, default=str) + "\n"
 
 
 class MetricsLog:
@@ -55,11 +58,12 @@ class MetricsLog:
         self.history = read_metrics(output_dir, resume_step) if resume_step is not None else []
         self.write = write  # False on all ranks but the first of several processes: history only
         self.tensorboard = self.wandb = None
+        self.completions_path = Path(output_dir) / COMPLETIONS_FILE
         if not write:
             return
-        partial = self.path.with_suffix(".partial")
-        partial.write_text("".join(map(_json_line, self.history)))
-        partial.replace(self.path)
+        _rewrite(self.path, self.history)
+        if resume_step is not None and self.completions_path.is_file():
+            _rewrite(self.completions_path, read_metrics(output_dir, resume_step, COMPLETIONS_FILE))
         if "tensorboard" in report_to:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -88,6 +92,12 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.log(row, step=step)
 
+    def log_completions(self, step: int, rows: list[dict]) -> None:
+        """One line per sample in completions.jsonl: {step, prompt, completion, rewards..., advantage, extra...}."""
+        if self.write:
+            with self.completions_path.open("a") as f:
+                f.writelines(_json_line({"step": step, **row}) for row in rows)
+
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
@@ -95,9 +105,21 @@ class MetricsLog:
             self.wandb.finish()
 
 
+def _rewrite(path: Path, rows: list[dict]) -> None:
+    """`path` holding exactly `rows`, replaced in one rename (a killed run leaves the old file or the new one)."""
+    partial = path.with_suffix(".partial")
+    partial.write_text("".join(map(_json_line, rows)))
+    partial.replace(path)
+
+
 def _plain(value):
-    """A Python scalar; NaN and +-inf (a reward of 1e39 is inf in float32) as None, JSON's null."""
-    value = value.item() if hasattr(value, "item") else value
+    """A Python scalar; NaN and +-inf (a reward of 1e39 is inf in float32) as None, JSON's null; lists and dicts
+    (a conversational prompt, a reward function's log_extra values) item by item."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    value = value.item() if hasattr(value, "item") and getattr(value, "ndim", 0) == 0 else value
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
@@ -141,15 +163,21 @@ def nanmean(values: list[float]) -> float:
     return sum(kept) / len(kept) if kept else math.nan
 
 
-def reward_metrics(rewards: Rewards, per_func, total, std, flat) -> dict:
-    """TRL's reward metrics: per_func [n, F] and total [n] rewards, std [n] the one advantages were scaled by."""
-    metrics = {"reward": total.mean().item(), "reward_std": std.mean().item(),
+def reward_metrics(rewards: Rewards, per_func: torch.Tensor, total: torch.Tensor, flat: torch.Tensor) -> dict:
+    """TRL 1.16's reward metrics from per_func [n, F] (NaN where a function returned None) and total [n] (NaN where
+    every function did): means and stds over the samples that have a value, the std being the whole round's."""
+    metrics = {"reward": _nan_stat(total, torch.nanmean), "reward_std": _nan_stat(total, nanstd),
                "frac_reward_zero_std": flat.float().mean().item()}
-    for k, function in enumerate(rewards.functions):
-        name = getattr(function, "__name__", rewards.names[k])
-        metrics[f"rewards/{name}/mean"] = per_func[:, k].mean().item()
-        metrics[f"rewards/{name}/std"] = per_func[:, k].std().item()
+    for k, name in enumerate(rewards.metric_names):
+        metrics[f"rewards/{name}/mean"] = _nan_stat(per_func[:, k], torch.nanmean)
+        metrics[f"rewards/{name}/std"] = _nan_stat(per_func[:, k], nanstd)
     return metrics
+
+
+def _nan_stat(x: torch.Tensor, statistic) -> float | None:
+    """A NaN-ignoring statistic as a float; None (null in metrics.jsonl) when there are no values to take it of."""
+    value = statistic(x).item()
+    return None if math.isnan(value) else value
 
 
 def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict:

@@ -70,19 +70,23 @@ GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def load_tokenizer(config: TrainConfig):
-    """AutoTokenizer; except that a local folder whose tokenizer_config.json declares the generic fast class gets
-    exactly its tokenizer.json (transformers 5's AutoTokenizer would rebuild it as the model type's tokenizer, e.g.
-    a Qwen2 byte-level BPE, which drops the characters of a small word-level vocabulary)."""
+    """The policy's tokenizer (tokenizer_from), with the EOS token as padding when it has none."""
     path = model_path(config)
-    declared = Path(path) / "tokenizer_config.json"
     with _loading(path):
-        if declared.is_file() and json.loads(declared.read_text()).get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        tokenizer = tokenizer_from(path, config.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def tokenizer_from(path: str, trust_remote_code: bool = False):
+    """AutoTokenizer; except that a local folder whose tokenizer_config.json declares the generic fast class gets
+    exactly its tokenizer.json (transformers 5's AutoTokenizer would rebuild it as the model type's tokenizer, e.g.
+    a Qwen2 byte-level BPE, which drops the characters of a small word-level vocabulary)."""
+    declared = Path(path) / "tokenizer_config.json"
+    if declared.is_file() and json.loads(declared.read_text()).get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 # The probe's logits span [-R, R], R = max(PROBE_SPAN, 4 * softcap): there a softcap bends them by ~75%, a logit scale

@@ -1,30 +1,55 @@
-"""Reward functions: the built-ins, user functions by import path, and their weighted sum.
+"""Reward functions: the built-ins, user functions by import path, reward models, and their weighted sum.
 
-Every reward function has TRL's signature `f(prompts, completions, **columns) -> list[float]`: `prompts` and
-`completions` are lists of strings, `columns` holds the dataset's columns for the same samples (one list each) and
-`completion_ids` (the completions' token ids). Built-ins:
+Every reward function is called as TRL 1.16's GRPOTrainer calls it, by keyword:
+`f(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=..., log_metric=..., **columns)`
+-> one number (or None) per completion. For a standard dataset `prompts` and `completions` are strings; for a
+conversational one (the prompt is a list of {"role", "content"} messages) `prompts` are the message lists the model
+was prompted with and each completion is `[{"role": "assistant", "content": text}]`. `columns` holds the dataset's
+other columns for the same samples (one list each), `completion_ids` the completions' token ids, `trainer_state` a
+transformers `TrainerState` (global_step, max_steps, epoch), `log_metric(name, value)` adds a scalar to the step's
+metrics and `log_extra(column, values)` a column to completions.jsonl (with log_completions).
 
-    accuracy   1 if the completion's final answer equals the `answer` column: plain numbers are compared exactly
-               (fast path), anything else through math-verify
+A function may return None for a sample it does not apply to (TRL's convention): it counts as NaN, the weighted
+rewards are summed over the functions that did apply (nansum), and a sample where none did is unscorable: its reward
+is NaN, it is left out of its group's mean and std, and its advantage is 0 (with a warning). Any other value that is
+not a number finite in float32 is refused, naming the function and the sample.
+
+A name in reward_funcs that is neither a built-in nor `module:function` is a reward model (a hub id or path of a
+sequence-classification model, as TRL): it scores the prompt + completion text (through its tokenizer's chat template
+for conversational data) with the logit of class 0, on the training device, without gradient.
+
+Built-ins:
+
+    accuracy   1 if the completion's final answer equals the answer column (answer_column; TRL's `solution` when
+               the data has no `answer`): plain numbers are compared exactly (fast path), anything else through
+               math-verify
     format     1 if the completion gives its answer in <answer>...</answer> or \\boxed{...}
     length     DAPO's soft overlong penalty: 0 up to max_completion_length - L/4, then linearly down to -1 at L
 """
 
+import asyncio
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import re
 import sys
+import warnings
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
 import torch
 
+from fastgrpo.train.config import REWARD_FUNCS, is_local_path
+
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _PLAIN_NUMBER = re.compile(r"[-+]?(?:\d+(?:,\d{3})*|\d*)(?:\.\d+)?")
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class RewardError(RuntimeError):
@@ -82,9 +107,14 @@ def _math_verify(answer: str, completion: str) -> bool:
     return bool(gold) and bool(verify(gold, parse(completion if predicted is None else as_math(predicted))))
 
 
+def completion_text(completion) -> str:
+    """A completion's text: the string itself, or the content of a conversational completion's last message."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
 def accuracy(prompts, completions, answer, **columns) -> list[float]:
     rewards = []
-    for completion, gold in zip(completions, answer, strict=True):
+    for completion, gold in zip(map(completion_text, completions), answer, strict=True):
         gold = str(gold)
         gold_number, predicted = plain_number(gold), extract_answer(completion)
         predicted_number = plain_number(predicted)
@@ -98,7 +128,17 @@ def accuracy(prompts, completions, answer, **columns) -> list[float]:
 
 
 def format(prompts, completions, **columns) -> list[float]:  # noqa: A001 - the reward's public name
-    return [float(bool(_ANSWER_TAG.search(c)) or _last_boxed(c) is not None) for c in completions]
+    return [float(bool(_ANSWER_TAG.search(c)) or _last_boxed(c) is not None) for c in map(completion_text, completions)]
+
+
+def _column_accuracy(answer_column: str | None) -> Callable:
+    """The built-in accuracy reward reading its reference answers from `answer_column`."""
+
+    def accuracy_reward(prompts, completions, **columns) -> list[float]:
+        return accuracy(prompts, completions, columns[answer_column])
+
+    accuracy_reward.__name__ = "accuracy"
+    return accuracy_reward
 
 
 def length_penalty(max_completion_length: int) -> Callable:
@@ -114,6 +154,9 @@ def length_penalty(max_completion_length: int) -> Callable:
 # -- loading and combining ------------------------------------------------------------------------------------------
 
 
+_FILE_MODULES = {}  # reward files loaded by path: (resolved path, mtime) -> module
+
+
 def load_function(spec: str) -> Callable:
     """'package.module:function' or 'path/to/file.py:function'."""
     module_name, _, attr = spec.rpartition(":")
@@ -124,10 +167,14 @@ def load_function(spec: str) -> Callable:
             path = Path(module_name)
             if not path.is_file():
                 raise FileNotFoundError(f"{path} does not exist")
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules.setdefault(path.stem, module)
-            module_spec.loader.exec_module(module)
+            key = (path.resolve(), path.stat().st_mtime_ns)  # one module per file (as an import), until it changes
+            module = _FILE_MODULES.get(key)
+            if module is None:
+                module_spec = importlib.util.spec_from_file_location(path.stem, path)
+                module = importlib.util.module_from_spec(module_spec)
+                sys.modules.setdefault(path.stem, module)
+                module_spec.loader.exec_module(module)
+                _FILE_MODULES[key] = module
         else:
             module = importlib.import_module(module_name)
     except Exception as e:
@@ -138,50 +185,135 @@ def load_function(spec: str) -> Callable:
     return function
 
 
+UNSET = object()  # a reward function's value that is not a number (refused)
+
+
 def _as_float(value) -> float:
-    """A reward as a Python float: ints, floats, numpy scalars and 0-dim tensors; NaN, which is refused, for anything
-    else (bools included)."""
+    """A reward as a Python float: ints, floats, numpy scalars and 0-dim tensors; None (TRL's "does not apply") as
+    NaN; UNSET for anything else (bools included), which is refused."""
+    if value is None:
+        return math.nan
     if isinstance(value, torch.Tensor):
         numeric = value.ndim == 0 and value.dtype != torch.bool and not value.is_complex()
-        return float(value.item()) if numeric else math.nan
+        return float(value.item()) if numeric else UNSET
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return math.nan
+        return UNSET
     try:
         return float(value)
     except OverflowError:
         return math.inf
 
 
+def is_conversational(prompt) -> bool:
+    """TRL's test: a prompt that is a list of messages (dicts with a "role")."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+class RewardModel:
+    """A sequence-classification model as a reward function (TRL's semantics): the prompt + completion text, through
+    the tokenizer's chat template for conversational data, right-padded, no special tokens added; the reward is the
+    logit of class 0. Frozen, in inference mode, on `device`."""
+
+    def __init__(self, name: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False,
+                 chat_template_kwargs: dict | None = None):
+        from transformers import AutoModelForSequenceClassification
+
+        from fastgrpo.train.model import not_loadable, tokenizer_from
+
+        if is_local_path(name) and not Path(name).expanduser().exists():
+            raise ValueError(f"reward_funcs: {name} does not exist (a local path, so the hub was not asked); a "
+                             f"reward function is a built-in {REWARD_FUNCS}, 'module:function', 'file.py:function' or "
+                             "a reward model's hub id or path")
+        try:
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                name, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code)
+            self.tokenizer = tokenizer_from(name, trust_remote_code)
+        except Exception as e:  # no such model, no network, not a sequence classifier, ...
+            import huggingface_hub.constants as hub
+
+            error = not_loadable("reward_funcs", name, e, hub.HF_HUB_CACHE, hub.HF_HUB_OFFLINE)
+            raise FileNotFoundError(f"{error} (a name that is not a built-in {REWARD_FUNCS} nor 'module:function' is "
+                                    "a reward model)") from e
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        # The score is read at the last token that is not padding, which the model finds through pad_token_id.
+        self.model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
+        self.model.requires_grad_(False).eval().to(device)
+        self.device, self.chat_template_kwargs = device, chat_template_kwargs or {}
+        self.__name__ = name.rstrip("/").split("/")[-1]
+
+    def __call__(self, prompts, completions, **columns) -> list[float]:
+        if is_conversational(prompts[0]):
+            texts = [self.tokenizer.apply_chat_template(p + c, tokenize=False, **self.chat_template_kwargs)
+                     for p, c in zip(prompts, completions, strict=True)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        inputs = self.tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right",
+                                add_special_tokens=False).to(self.device)
+        with torch.inference_mode():
+            return self.model(**inputs).logits[:, 0].float().tolist()
+
+
 class Rewards:
-    """The configured reward functions and weights: `rewards(prompts, completions, completion_ids, columns)` ->
-    (per_function [N, F], total [N] = per_function @ weights), fp32."""
+    """The configured reward functions and weights: `rewards(prompts, completions, completion_ids, columns, state)` ->
+    (per_function [N, F] fp32, NaN where a function returned None; total [N] = nansum(per_function * weights), NaN
+    where every function returned None). What the functions logged through log_metric / log_extra during the call is
+    in `self.logged_metrics` ({name: [values]}) and `self.logged_columns` ({column: [one value per sample]})."""
 
-    def __init__(self, names: list[str], weights: list[float] | None, max_completion_length: int):
-        builtins = {"accuracy": accuracy, "format": format, "length": length_penalty(max_completion_length)}
+    def __init__(self, names: list[str], weights: list[float] | None, max_completion_length: int,
+                 answer_column: str | None = "answer", device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
+                 chat_template_kwargs: dict | None = None):
+        builtins = {"accuracy": _column_accuracy(answer_column), "format": format,
+                    "length": length_penalty(max_completion_length)}
+        if "accuracy" in names and answer_column is None:
+            raise ValueError("reward_funcs: the built-in accuracy reward needs answer_column (the column holding the "
+                             "reference answers; TRL datasets call it 'solution')")
         self.names = list(names)
-        self.functions = [builtins[n] if n in builtins else load_function(n) for n in names]
+        self.functions = [builtins[n] if n in builtins else load_function(n) if ":" in n
+                          else RewardModel(n, torch.device(device), dtype, trust_remote_code, chat_template_kwargs)
+                          for n in names]
         self.weights = torch.tensor(weights if weights is not None else [1.0] * len(names), dtype=torch.float32)
+        # TRL's metric names: a function's __name__, a reward model's last path part
+        self.metric_names = [getattr(f, "__name__", n) for f, n in zip(self.functions, self.names, strict=True)]
+        self.logged_metrics, self.logged_columns = {}, {}
 
-    def __call__(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
-                 columns: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list],
+                 state=None) -> tuple[torch.Tensor, torch.Tensor]:
+        self.logged_metrics, self.logged_columns = {}, {}
+        context = dict(trainer_state=state, log_extra=self._log_extra, log_metric=self._log_metric)
         per_function = torch.stack(
-            [self._score(name, f, prompts, completions, completion_ids, columns)
+            [self._score(name, f, prompts, completions, completion_ids, columns, context)
              for name, f in zip(self.names, self.functions, strict=True)], dim=1)  # [N, F]
-        total = per_function @ self.weights  # [N]
-        bad = (~total.isfinite()).nonzero()
+        total = (per_function * self.weights).nansum(dim=1)  # [N]
+        unscorable = per_function.isnan().all(dim=1)  # [N]
+        bad = (~total.isfinite() & ~unscorable).nonzero()
         if len(bad):
             i = bad[0].item()
             rewards = dict(zip(self.names, per_function[i].tolist(), strict=True))
             raise RewardError(f"the weighted sum of the rewards is not finite in float32 for sample {i} (prompt "
                               f"{prompts[i]!r}, completion {completions[i]!r}): rewards {rewards} with reward_weights "
                               f"{self.weights.tolist()}")
-        return per_function, total
+        if unscorable.any():
+            i = unscorable.nonzero()[0].item()
+            warnings.warn(f"every reward function returned None for {int(unscorable.sum())} of {len(completions)} "
+                          f"samples (the first: sample {i}, prompt {prompts[i]!r:.200}, completion "
+                          f"{completions[i]!r:.200}); they get advantage 0. Make at least one function score every "
+                          "sample", stacklevel=2)
+        return per_function, total.masked_fill(unscorable, math.nan)
 
-    def _score(self, name, function, prompts, completions, completion_ids, columns) -> torch.Tensor:
+    def _log_metric(self, name: str, value: float) -> None:
+        self.logged_metrics.setdefault(name, []).append(float(value))
+
+    def _log_extra(self, column: str, values: list) -> None:
+        self.logged_columns[column] = list(values)
+
+    def _score(self, name, function, prompts, completions, completion_ids, columns, context) -> torch.Tensor:
         def call(index):
-            return function([prompts[i] for i in index], [completions[i] for i in index],
-                            completion_ids=[completion_ids[i] for i in index],
-                            **{k: [v[i] for i in index] for k, v in columns.items()})
+            values = function(prompts=[prompts[i] for i in index], completions=[completions[i] for i in index],
+                              completion_ids=[completion_ids[i] for i in index],
+                              **{k: [v[i] for i in index] for k, v in columns.items()}, **context)
+            return asyncio.run(values) if inspect.isawaitable(values) else values  # an async function (TRL's too)
 
         everything = range(len(completions))
         try:
@@ -192,15 +324,13 @@ class Rewards:
         if not isinstance(values, (list, tuple)) or len(values) != len(completions):
             raise RewardError(f"reward function {name!r} must return a list of {len(completions)} numbers (one per "
                               f"completion), got {values!r:.200}")
-        scores = torch.tensor([_as_float(v) for v in values], dtype=torch.float32)  # [N]
-        bad = (~scores.isfinite()).nonzero()
-        if len(bad):
-            i = bad[0].item()
-            raise RewardError(f"reward function {name!r} returned {values[i]!r} for sample {i} (prompt {prompts[i]!r}, "
-                              f"completion {completions[i]!r}); rewards must be numbers finite in float32 "
-                              f"(|x| <= {torch.finfo(torch.float32).max:.3g})")
-        return scores
-
+        floats = [_as_float(v) for v in values]
+        for i, (value, x) in enumerate(zip(values, floats, strict=True)):
+            if value is not None and (x is UNSET or not math.isfinite(x) or abs(x) > FLOAT32_MAX):
+                raise RewardError(f"reward function {name!r} returned {value!r} for sample {i} (prompt {prompts[i]!r}, "
+                                  f"completion {completions[i]!r}); rewards must be numbers finite in float32 "
+                                  f"(|x| <= {FLOAT32_MAX:.3g}), or None where the function does not apply")
+        return torch.tensor(floats, dtype=torch.float32)  # [N]
     @staticmethod
     def _culprit(call, prompts, completions) -> str:
         """Which sample makes the function raise, found by calling it on each sample alone."""

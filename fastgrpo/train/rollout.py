@@ -26,21 +26,32 @@ class Rollout:
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> tuple[torch.Tensor, ...]:
-    """rewards [P*G] -> (advantages [P*G], the std they were scaled by [P*G] (the group's, or the batch's with
-    "batch"; TRL's reward_std), zero-std flags [P*G]).
+    """rewards [P*G] (NaN for an unscorable sample: every reward function returned None) -> (advantages [P*G], the
+    std they were scaled by [P*G] (the group's, or the batch's with "batch"), zero-std flags [P*G]).
 
-    A = r - mean(group); divided by std(group) + 1e-4 ("group"), by std(batch) + 1e-4 ("batch") or not at all
-    ("none"), as TRL. A group whose rewards are all equal gets exactly zero advantage.
+    As TRL 1.16: A = r - nanmean(group); divided by nanstd(group) + 1e-4 ("group"), by nanstd(batch) + 1e-4
+    ("batch") or not at all ("none"); unscorable samples are left out of the means and stds and get A = 0. A group
+    whose scorable rewards are all equal gets exactly zero advantage.
     """
     grouped = rewards.view(-1, num_generations)  # [P, G]
-    mean = grouped.mean(1, keepdim=True)
-    group_std = grouped.std(1, keepdim=True).expand_as(grouped).reshape(-1)  # [P*G]
+    mean = torch.nanmean(grouped, 1, keepdim=True)
+    group_std = nanstd(grouped, 1, keepdim=True).expand_as(grouped).reshape(-1)  # [P*G]
     advantages = (grouped - mean).reshape(-1)
-    std = rewards.std().expand_as(rewards) if scale_rewards == "batch" else group_std
+    std = nanstd(rewards).expand_as(rewards) if scale_rewards == "batch" else group_std
     if scale_rewards != "none":
         advantages = advantages / (std + 1e-4)
-    flat = (grouped == grouped[:, :1]).all(1, keepdim=True).expand_as(grouped).reshape(-1)  # [P*G]
-    return advantages.masked_fill(flat, 0.0), std, flat
+    spread = grouped.nan_to_num(-math.inf).amax(1, keepdim=True) - grouped.nan_to_num(math.inf).amin(1, keepdim=True)
+    flat = ~(spread > 0).expand_as(grouped).reshape(-1)  # [P*G]: no two scorable rewards differ
+    return advantages.nan_to_num(0.0).masked_fill(flat, 0.0), std, flat
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """The standard deviation (Bessel-corrected) of the values that are not NaN; NaN with fewer than two."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    count = (~x.isnan()).sum(dim=dim, keepdim=True)
+    variance = torch.nansum((x - mean) ** 2, dim=dim, keepdim=True) / (count - 1).clamp(min=1)
+    std = variance.masked_fill(count < 2, math.nan).sqrt()
+    return std if keepdim else std.squeeze() if dim is None else std.squeeze(dim)
 
 
 def sampler_importance_weights(rollout: Rollout, mode: str, clip_min: float | None,

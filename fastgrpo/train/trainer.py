@@ -2,7 +2,8 @@
 
 Each step is one generation round:
   1. sample    P prompts x G completions from the policy with the paged engine (the policy's own weights)
-  2. score     weighted rule rewards -> advantages per group (TRL's scale_rewards; flat groups get 0)
+  2. score     reward functions (TRL's call and None semantics, reward models too) -> weighted sum -> advantages
+               per group (TRL's scale_rewards; flat groups and unscorable samples get 0)
   3. no-grad   reference logprobs (beta > 0; with LoRA the base with adapters off) and old logprobs (when updates
                go off-policy: num_iterations > 1 or several optimizer steps per round, or with
                importance_sampling_correction), fastgrpo.loss.token_logprobs without grad (one GEMM and the row
@@ -34,7 +35,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from transformers import get_scheduler
+from transformers import TrainerState, get_scheduler
 
 from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES, LossConfig
 from fastgrpo.memory import peak_memory, reset_peak_memory
@@ -43,7 +44,7 @@ from fastgrpo.reference import RATIO_METRICS
 from fastgrpo.sampling import Engine, SamplingParams
 from fastgrpo.train import checkpoint, distributed, run_dir
 from fastgrpo.train.config import TrainConfig
-from fastgrpo.train.data import PromptOrder, eval_subset, load_rows, prepare
+from fastgrpo.train.data import PromptOrder, answer_column, eval_subset, load_rows, prepare
 from fastgrpo.train.logs import (
     PLOT_FILE,
     MetricsLog,
@@ -55,12 +56,22 @@ from fastgrpo.train.logs import (
     reward_metrics,
     summary_line,
 )
-from fastgrpo.train.model import PACKED_ATTENTION, PolicyLoss, check_head, load_policy, load_reference, load_tokenizer
+from fastgrpo.train.model import (
+    PACKED_ATTENTION,
+    PolicyLoss,
+    check_head,
+    load_policy,
+    load_reference,
+    load_tokenizer,
+    train_dtype,
+)
 from fastgrpo.train.rewards import Rewards, accuracy
 from fastgrpo.train.rollout import Rollout, group_advantages, micro_batch, micro_batches, sampler_importance_weights
 from fastgrpo.train.run_dir import RunDir
 
-RESERVED_REWARD_ARGS = ("prompts", "completions", "completion_ids")
+# Dataset columns that do not reach reward functions as keywords (TRL's, and the keywords the trainer passes).
+RESERVED_REWARD_ARGS = ("prompt", "completion", "prompts", "completions", "completion_ids", "trainer_state",
+                        "log_extra", "log_metric")
 
 
 def seed_for(*key) -> int:
@@ -140,11 +151,15 @@ class Trainer:
         config = self.config
         torch.manual_seed(config.seed)  # LoRA's initial weights (the same on every rank)
         self.tokenizer = load_tokenizer(config)
-        self.train_prompts = prepare(load_rows(config, "train"), self.tokenizer, config, "train")
-        eval_rows = load_rows(config, "test") if config.answer_column is not None else None
+        train_rows = load_rows(config, "train")
+        answers = answer_column(config, train_rows)
+        self.train_prompts = prepare(train_rows, self.tokenizer, config, "train", answers)
+        eval_rows = load_rows(config, "test") if answers is not None else None  # pass@1 needs reference answers
         self.eval_prompts = None if eval_rows is None else eval_subset(
-            prepare(eval_rows, self.tokenizer, config, "held-out"), config.eval_num_samples)
-        self.rewards = Rewards(config.reward_funcs, config.reward_weights, config.max_completion_length)
+            prepare(eval_rows, self.tokenizer, config, "held-out", answers), config.eval_num_samples)
+        self.rewards = Rewards(config.reward_funcs, config.reward_weights, config.max_completion_length, answers,
+                               self.device, train_dtype(config, self.device), config.trust_remote_code,
+                               config.chat_template_kwargs)
 
         sharded = resume_from is not None and checkpoint.is_sharded(resume_from)
         self.model = load_policy(config, self.device, None if sharded else resume_from)
@@ -274,21 +289,30 @@ class Trainer:
         params = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                                 max_new_tokens=config.max_completion_length, stop_token_ids=self.stop_token_ids,
                                 seed=self._seed("sample"))
-        mine = None  # (completions [groups][G], rewards per function [n, F], total [n], preemptions)
+        # (completions [groups][G], rewards per function [n, F], total [n], preemptions, log_metric values,
+        # log_extra columns)
+        mine = None
         with self.world.together("sampling and rewards"):
             outputs = self._generate([self.train_prompts.token_ids[i] for i in picked], G, params)
             timer.lap("sampling")
             if outputs:  # a process gets no group when a round has fewer groups than processes
                 per_func, rewards = self._score([picked[i] for i in self.world.share(len(picked))], outputs)
-                mine = (outputs, per_func, rewards, self.engine.stats.num_preemptions)
+                mine = (outputs, per_func, rewards, self.engine.stats.num_preemptions, self.rewards.logged_metrics,
+                        self.rewards.logged_columns)
         parts = [part for part in self.world.gather(mine) if part is not None]  # in group order
         completions = [c for part in parts for group in part[0] for c in group]  # [P*G], prompt-major
         per_func, rewards = (torch.cat([part[k] for part in parts]) for k in (1, 2))
+        logged = defaultdict(list)  # the reward functions' log_metric values, averaged over calls as TRL does
+        for part in parts:
+            for name, values in part[4].items():
+                logged[name] += values
         timer.lap("rewards")
 
         samples = [i for i in picked for _ in range(G)]  # [P*G] prompt index per completion
         completion_ids = [c.token_ids for c in completions]
-        advantages, std, flat = group_advantages(rewards, G, config.scale_rewards)
+        advantages, _, flat = group_advantages(rewards, G, config.scale_rewards)
+        if config.log_completions:
+            self._log_completions(samples, completion_ids, per_func, advantages, parts)
         truncated = torch.tensor([c.finish_reason == "length" for c in completions])
         drop = config.mask_truncated_completions
         cut = truncated.tolist()
@@ -320,7 +344,8 @@ class Trainer:
         self.num_tokens += int(lengths.sum()) + sum(len(p) for p in rollout.prompt_ids)
         return {
             **stats,
-            **reward_metrics(self.rewards, per_func, rewards, std, flat),
+            **reward_metrics(self.rewards, per_func, rewards, flat),
+            **{name: sum(values) / len(values) for name, values in logged.items()},
             **length_metrics(lengths, truncated),
             **sampling_metrics,
             "num_tokens": self.num_tokens,
@@ -333,14 +358,38 @@ class Trainer:
 
     def _score(self, prompts: list[int], outputs: list[list]) -> tuple[torch.Tensor, torch.Tensor]:
         """The rewards of the completions `outputs` of the train prompts `prompts` (indices): (per function
-        [n, F], weighted total [n])."""
-        G = self.config.num_generations
+        [n, F], weighted total [n]). Reward functions get TRL's arguments: completions in the prompts' form (one
+        assistant message each for conversational data), the dataset's columns, the completions' token ids and a
+        TrainerState."""
+        G, data = self.config.num_generations, self.train_prompts
         samples = [i for i in prompts for _ in range(G)]
         completion_ids = [c.token_ids for group in outputs for c in group]
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        columns = {k: [self.train_prompts.rows[i][k] for i in samples] for k in self.train_prompts.rows[0]
+        completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        if data.conversational:
+            completions = [[{"role": "assistant", "content": text}] for text in completions]
+        columns = {k: [data.rows[i][k] for i in samples] for k in data.rows[0]
                    if k not in RESERVED_REWARD_ARGS and k != self.config.prompt_column}
-        return self.rewards([self.train_prompts.texts[i] for i in samples], texts, completion_ids, columns)
+        per_round = self.optimizer_steps_per_round  # TrainerState counts optimizer steps, as TRL's does
+        state = TrainerState(global_step=(self.step - 1) * per_round, max_steps=self.config.max_steps * per_round,
+                             epoch=self.order.epoch + self.order.index / len(data.rows))
+        return self.rewards([data.prompts[i] for i in samples], completions, completion_ids, columns, state)
+
+    def _log_completions(self, samples: list[int], completion_ids: list[list[int]], per_func: torch.Tensor,
+                         advantages: torch.Tensor, parts: list[tuple]) -> None:
+        """completions.jsonl rows of this round (rank 0 writes): prompt, completion, each reward, the advantage, and
+        the columns the reward functions logged with log_extra (null for a rank's samples that logged none)."""
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        extra = {}
+        for part in parts:
+            n = sum(len(group) for group in part[0])
+            for column in {c for p in parts for c in p[5]}:
+                extra.setdefault(column, []).extend(part[5].get(column, [None] * n))
+        names = self.rewards.metric_names
+        self.log.log_completions(self.step, [
+            {"prompt": self.train_prompts.prompts[i], "completion": texts[k],
+             **{f"rewards/{name}": per_func[k, j].item() for j, name in enumerate(names)},
+             "advantage": advantages[k].item(), **{column: values[k] for column, values in extra.items()}}
+            for k, i in enumerate(samples)])
 
     def _update(self, rollout: Rollout) -> dict:
         """num_iterations passes over the round. Each global micro-batch (per_device_train_batch_size * K samples
@@ -445,8 +494,8 @@ class Trainer:
             if outputs:  # (batch_decode of no sequences is not an empty list)
                 texts = self.tokenizer.batch_decode([group[0].token_ids for group in outputs],
                                                     skip_special_tokens=True)
-                answers = [self.eval_prompts.rows[i][config.answer_column] for i in share]
-                correct = sum(accuracy([self.eval_prompts.texts[i] for i in share], texts, answers))
+                answers = [self.eval_prompts.rows[i][self.eval_prompts.answer_column] for i in share]
+                correct = sum(accuracy([self.eval_prompts.prompts[i] for i in share], texts, answers))
         return sum(self.world.gather(correct)) / len(self.eval_prompts.rows)
 
     def save(self) -> Path:

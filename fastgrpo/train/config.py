@@ -21,6 +21,7 @@ from fastgrpo.loss_config import LOSS_TYPES, LossConfig
 BUILTIN = "builtin"  # model_name_or_path / dataset_name of the built-in arithmetic task
 DEFAULT_RECIPE = Path(__file__).parent / "default.yaml"
 REWARD_FUNCS = ("accuracy", "format", "length")
+OPTIMIZERS = ("adamw_torch", "adamw_8bit")  # TRL's / transformers' names
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL 1.16's
 SEED_LIMIT = 2**32  # numpy's seeding takes [0, 2**32), as does transformers' set_seed that TRL recipes call
 
@@ -55,6 +56,9 @@ class TrainConfig:
         None, f"hub id or local path of a causal LM; '{BUILTIN}' is the tiny arithmetic model shipped with fastgrpo")
     bf16: bool | None = option(None, "train in bfloat16 (default: on CUDA yes, on CPU no)")
     gradient_checkpointing: bool = option(True, "recompute activations in the backward pass (saves memory)")
+    offload_activations: bool = option(
+        False, "keep each decoder layer's checkpointed input in host memory (pinned, copied on a side stream) until "
+               "its recompute; the last layer's stays on the device. Needs gradient_checkpointing")
     attn_implementation: str | None = option(
         None, "transformers attention for training, e.g. sdpa or flash_attention_2 (which packs micro-batches "
               "padding-free); default: transformers' choice")
@@ -62,6 +66,9 @@ class TrainConfig:
         False, "swap in liger-kernel's RMSNorm, RoPE and SwiGLU kernels (needs liger-kernel)", aliases=("--liger",))
     trust_remote_code: bool = option(False, "allow model code from the hub")
     use_peft: bool = option(False, "train LoRA adapters (peft); the reference model is then the base, adapters off")
+    load_in_4bit: bool = option(
+        False, "QLoRA: the base's linear layers in 4-bit NF4 with double quantization (bitsandbytes), computing in the "
+               "training dtype; embeddings and lm_head stay in it. Needs use_peft (pip install 'fastgrpo[quant]')")
     lora_r: int = option(16, "LoRA rank")
     lora_alpha: int = option(32, "LoRA alpha")
     lora_dropout: float = option(0.05, "LoRA dropout")
@@ -127,6 +134,9 @@ class TrainConfig:
     importance_sampling_clip_max: float | None = option(3.0, "C_max of importance_sampling_mode; None: no upper bound")
     importance_sampling_clip_min: float | None = option(None, "C_min of importance_sampling_mode; None: no lower bound")
     # -- optimisation --
+    optim: str = option("adamw_torch", "optimizer: adamw_torch (PyTorch's AdamW) or adamw_8bit (bitsandbytes' AdamW "
+                                       "with 8-bit blockwise states, for full fine-tuning or LoRA)",
+                        choices=OPTIMIZERS)
     learning_rate: float = option(1e-6, "AdamW peak learning rate", aliases=("--lr",))
     weight_decay: float = option(0.0, "AdamW weight decay")
     adam_beta1: float = option(0.9, "AdamW beta1")
@@ -203,6 +213,12 @@ class TrainConfig:
             raise ValueError(f"model_name_or_path is required (a hub id, a local path or '{BUILTIN}')")
         if self.dataset_name is None:
             raise ValueError(f"dataset_name is required (a file, a hub dataset or '{BUILTIN}')")
+        if self.load_in_4bit and not self.use_peft:
+            raise ValueError("load_in_4bit needs use_peft: a 4-bit base is frozen, so train LoRA adapters on it "
+                             "(--use-peft)")
+        if self.offload_activations and not self.gradient_checkpointing:
+            raise ValueError("offload_activations needs gradient_checkpointing: it offloads the checkpointed inputs "
+                             "of the decoder layers")
         if not self.reward_funcs:
             raise ValueError("reward_funcs must name at least one reward function")
         for name in self.reward_funcs:

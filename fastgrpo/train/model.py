@@ -169,14 +169,51 @@ def _liger_loader():
     return AutoLigerKernelForCausalLM
 
 
-def _from_pretrained(path: str, config: TrainConfig, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+BITSANDBYTES_MIN = "0.50"  # NF4 layers and 8-bit optimizers on a CPU too
+
+
+def bitsandbytes(option: str):
+    """The bitsandbytes module, or an ImportError naming the option that needs it."""
+    from packaging.version import Version
+
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise ImportError(f"{option} needs bitsandbytes>={BITSANDBYTES_MIN}: pip install 'fastgrpo[quant]' (or "
+                          f"bitsandbytes)") from e
+    if Version(bnb.__version__) < Version(BITSANDBYTES_MIN):
+        raise ImportError(f"{option} needs bitsandbytes>={BITSANDBYTES_MIN}, found {bnb.__version__}: "
+                          "pip install -U bitsandbytes")
+    return bnb
+
+
+def four_bit(dtype: torch.dtype):
+    """QLoRA's quantization: NF4 blocks of 64 with double quantization (the blocks' fp32 scales themselves 8-bit),
+    computing in `dtype`. transformers leaves the output head (and the embeddings, not linear layers) unquantized."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=dtype)
+
+
+def _from_pretrained(path: str, config: TrainConfig, dtype: torch.dtype, device: torch.device,
+                     quantize: bool = False) -> PreTrainedModel:
     kwargs = {"dtype": dtype, "trust_remote_code": config.trust_remote_code}
     if config.attn_implementation is not None:
         kwargs["attn_implementation"] = config.attn_implementation
+    if quantize:  # the weights are quantized as they are placed on the device
+        bitsandbytes("load_in_4bit")
+        kwargs.update(quantization_config=four_bit(dtype), device_map={"": device})
     loader = _liger_loader() if config.use_liger_kernel else AutoModelForCausalLM
     with _loading(path):
         model = loader.from_pretrained(path, **kwargs, **(LIGER_KERNELS if config.use_liger_kernel else {}))
-    model = model.to(device)
+    if quantize:
+        head = model.get_output_embeddings()
+        if type(head) is not torch.nn.Linear or head.weight.dtype != dtype:
+            raise ValueError(f"load_in_4bit: the output head of {path} was quantized ({type(head).__name__}); "
+                             "fastgrpo's loss reads its weight in the training dtype")
+    else:
+        model = model.to(device)
     if config.use_liger_kernel and not any(type(m).__module__.startswith("liger_kernel") for m in model.modules()):
         raise ValueError(f"use_liger_kernel: liger-kernel has no kernels for {model.config.model_type!r} models")
     check_head(model)
@@ -187,13 +224,17 @@ def load_policy(config: TrainConfig, device: torch.device, checkpoint: Path | No
     """The trainable policy: the model's initial weights, or a checkpoint's (its LoRA adapter with use_peft)."""
     dtype = train_dtype(config, device)
     path = str(checkpoint) if checkpoint is not None and not config.use_peft else model_path(config)
-    model = _from_pretrained(path, config, dtype, device)
+    model = _from_pretrained(path, config, dtype, device, quantize=config.load_in_4bit)
     if config.gradient_checkpointing:
         # Newer transformers renamed gradient_checkpointing_enable (kept, deprecated); >= 4.56 is supported.
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if config.offload_activations:
+            from fastgrpo.train.offload import ActivationOffload
+
+            ActivationOffload(device).install(model)
     model.config.use_cache = False
     if config.use_peft:
         try:

@@ -59,6 +59,7 @@ from fastgrpo.train.logs import (
 from fastgrpo.train.model import (
     PACKED_ATTENTION,
     PolicyLoss,
+    bitsandbytes,
     check_head,
     load_policy,
     load_reference,
@@ -77,6 +78,17 @@ RESERVED_REWARD_ARGS = ("prompt", "completion", "prompts", "completions", "compl
 def seed_for(*key) -> int:
     """A 32-bit seed that depends on `key` only (its repr), the same in every process and run."""
     return zlib.crc32(repr(key).encode())
+
+
+def make_optimizer(config: TrainConfig, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW with the config's learning rate, betas and weight decay: PyTorch's (states in the parameters' dtype), or
+    bitsandbytes' 8-bit AdamW (adamw_8bit: both moments 8-bit with a scale per block of 256 values; tensors under
+    4096 values keep 32-bit states, as bitsandbytes does)."""
+    options = dict(lr=config.learning_rate, weight_decay=config.weight_decay,
+                   betas=(config.adam_beta1, config.adam_beta2))
+    if config.optim == "adamw_8bit":
+        return bitsandbytes("optim adamw_8bit").optim.AdamW8bit(parameters, **options)
+    return torch.optim.AdamW(parameters, **options)
 
 
 def loss_config(config: TrainConfig, head: dict) -> LossConfig:
@@ -179,8 +191,7 @@ class Trainer:
                              cuda_graphs=self.parallelism != "fsdp")
 
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.learning_rate, weight_decay=config.weight_decay,
-                                           betas=(config.adam_beta1, config.adam_beta2))
+        self.optimizer = make_optimizer(config, self.parameters)
         self.optimizer_steps_per_round = config.num_iterations * config.steps_per_generation // (
             config.gradient_accumulation_steps)
         total = config.max_steps * self.optimizer_steps_per_round
@@ -206,6 +217,11 @@ class Trainer:
         reference too, so no rank holds a whole copy of it)."""
         if self.parallelism is None:
             return self.policy
+        config = self.config
+        for on, what in ((config.optim == "adamw_8bit", "optim adamw_8bit"), (config.load_in_4bit, "load_in_4bit")):
+            if on:  # bitsandbytes' states and NF4 weights are plain tensors: neither DTensor shards nor DCP's loads
+                raise ValueError(f"{what} runs in one process; several processes (torchrun) are not supported with "
+                                 "it yet")
         if self.parallelism == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 

@@ -30,6 +30,7 @@ pass holds one or two blocks of CPU_BLOCK_BYTES instead of a chunk.
 """
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -53,9 +54,25 @@ CPU_BLOCK_BYTES = 2 * 2**20
 CPU_STATS_CHUNK_TOKENS = 1024
 
 
+_CHUNK_TOKENS = None  # set by `chunk_size` (fastgrpo train's loss_chunk_tokens)
+
+
+@contextmanager
+def chunk_size(tokens: int | None):
+    """Within: chunks of `tokens` (None: the default sizes), over FASTGRPO_CHUNK_TOKENS."""
+    global _CHUNK_TOKENS
+    previous, _CHUNK_TOKENS = _CHUNK_TOKENS, tokens
+    try:
+        yield
+    finally:
+        _CHUNK_TOKENS = previous
+
+
 def chunk_tokens(V: int, device: torch.device) -> int:
     """Tokens per chunk: fp32 logits of at most the device's CHUNK_BYTES (dZ in bf16 adds half of that on CUDA), and on
-    a CPU at least CPU_MIN_CHUNK_TOKENS."""
+    a CPU at least CPU_MIN_CHUNK_TOKENS; `chunk_size` or FASTGRPO_CHUNK_TOKENS set it."""
+    if _CHUNK_TOKENS is not None:
+        return _CHUNK_TOKENS
     override = os.environ.get("FASTGRPO_CHUNK_TOKENS")
     if override:
         if not override.isdigit() or int(override) < 1:
@@ -70,7 +87,8 @@ def stats_chunk_tokens(V: int, device: torch.device) -> int:
     """Tokens per chunk of a CPU's no-grad pass (cpu_row_stats, which holds only a vocab block of logits at a time):
     at least CPU_STATS_CHUNK_TOKENS, unless FASTGRPO_CHUNK_TOKENS says otherwise."""
     chunk = chunk_tokens(V, device)
-    return chunk if os.environ.get("FASTGRPO_CHUNK_TOKENS") else max(chunk, CPU_STATS_CHUNK_TOKENS)
+    set_by_user = _CHUNK_TOKENS is not None or os.environ.get("FASTGRPO_CHUNK_TOKENS")
+    return chunk if set_by_user else max(chunk, CPU_STATS_CHUNK_TOKENS)
 
 
 def vocab_blocks(C: int, V: int) -> list[slice]:

@@ -1,4 +1,5 @@
-"""`fastgrpo` command line: `fastgrpo train [options]`, `fastgrpo bench [<suite>] [options]`."""
+"""`fastgrpo` command line: `fastgrpo train [options]`, `fastgrpo plan [options]`, `fastgrpo bench [<suite>]
+[options]`."""
 
 import argparse
 
@@ -15,6 +16,10 @@ def main(argv: list[str] | None = None) -> None:
     train = commands.add_parser("train", help="train a causal LM with GRPO (built-in default task without options)",
                                 description=train_cli.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     train_cli.add_arguments(train)
+    plan = commands.add_parser("plan", help="the memory plan of a training run: peak memory per phase, and what fits",
+                               description=train_cli.PLAN_DESCRIPTION,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    train_cli.add_plan_arguments(plan)
     bench = commands.add_parser("bench", help="run a benchmark suite: print a table, write .json and .md results",
                                 description=f"Without a suite: the {DEFAULT_SUITE} suite (`fastgrpo bench --quick` is "
                                             "its CPU quick mode).")
@@ -26,6 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "train":
         train_cli.run(args, train)
+    elif args.command == "plan":
+        train_cli.run_plan(args, plan)
     elif args.suite is None:
         main(["bench", DEFAULT_SUITE, *(["--quick"] if args.quick else [])])
     else:

@@ -12,7 +12,7 @@ import threading
 import typing
 from pathlib import Path
 
-from fastgrpo.train.config import DEFAULT_RECIPE, TrainConfig, field_types
+from fastgrpo.train.config import BUILTIN, DEFAULT_RECIPE, TrainConfig, field_types
 from fastgrpo.train.distributed import RankFailed
 
 DESCRIPTION = """\
@@ -140,6 +140,58 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
             parser.exit(1, f"fastgrpo train: error: {failed}\n")
         finally:
             _leave_process_group()
+
+
+PLAN_DESCRIPTION = """\
+The memory plan of a `fastgrpo train` run: each phase's peak device memory (sampling, no-grad logprobs, a training
+micro-batch) predicted from the model's config alone (no weights are downloaded or allocated), and whether it fits.
+
+  fastgrpo plan --model-name-or-path Qwen/Qwen2.5-7B-Instruct --use-peft --load-in-4bit --gpu-memory 16GiB
+  fastgrpo plan --config recipes/gsm8k.yaml --gpu-memory 24GiB --auto-fit    the settings --auto-fit would pick
+
+Takes every option of `fastgrpo train`. Plans are for one process (under FSDP2 each GPU holds a share of the
+weights and states). How each figure is computed: benchmarks/NOTES.md, "Memory plan".
+"""
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    add_arguments(parser)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="the device to plan for (default: cuda); on cpu the loss's chunks are a CPU's")
+
+
+def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Prints the plan (with --auto-fit, of the settings it picks); exits 1 when a gpu_memory is given and the plan
+    does not fit it."""
+    from fastgrpo.train import plan as memory
+    from fastgrpo.train.model import model_config
+
+    device = args.device
+    del args.device
+    if "dataset_name" not in vars(args) and args.config is None:
+        args.dataset_name = BUILTIN  # a plan reads no data; the option is required only to train
+    try:
+        config = resolve_config(args)
+        gpu = memory.parse_size(config.gpu_memory) if config.gpu_memory is not None else None
+        if config.auto_fit and gpu is None:
+            raise ValueError("auto_fit: give gpu_memory (e.g. --gpu-memory 24GiB)")
+        shapes = memory.model_shapes(model_config(config))
+        plan = (memory.auto_fit(config, gpu, shapes, device) if config.auto_fit
+                else memory.plan_memory(config, shapes=shapes, device_type=device))
+    except (ValueError, TypeError, OSError) as e:
+        parser.exit(2, f"fastgrpo plan: error: {e}\n")
+    print(memory.format_plan(plan, gpu))
+    if config.auto_fit:
+        mb, step = plan.settings["per_device_train_batch_size"], plan.settings["samples_per_step"]
+        picks = [f"--per-device-train-batch-size {mb}", f"--gradient-accumulation-steps {step // mb}",
+                 f"--steps-per-generation {config.generation_batch_size // mb}"]
+        if plan.settings["kv_pages_cut"]:
+            picks.append(f"--kv-cache-blocks {plan.settings['kv_blocks']}")
+        if plan.settings["chunk_override"]:
+            picks.append(f"--loss-chunk-tokens {plan.settings['chunk_override']}")
+        print("--auto-fit picks: " + " ".join(picks))
+    if gpu is not None and not plan.fits(gpu):
+        parser.exit(1, f"fastgrpo plan: does not fit; {memory.suggestions(config)}, or --auto-fit\n")
 
 
 def _leave_process_group() -> None:

@@ -100,6 +100,11 @@ class TrainConfig:
     top_k: int = option(0, "top-k sampling; 0 is off")
     block_size: int = option(16, "tokens per page of the paged KV cache")
     sampling_memory_fraction: float = option(0.8, "fraction of free memory the KV cache may take while sampling")
+    kv_cache_blocks: int | None = option(
+        None, "pages in the sampler's KV pool; None sizes it from sampling_memory_fraction (--auto-fit sets it)")
+    loss_chunk_tokens: int | None = option(
+        None, "tokens per chunk of the fused loss; None: ~2 GiB of logits on a GPU, 32 MiB on a CPU (--auto-fit may "
+              "lower it)")
     # -- rewards --
     reward_funcs: list[str] = option(
         ["accuracy"], f"built-ins {REWARD_FUNCS}, 'module:function' or 'file.py:function' with TRL's signature "
@@ -158,6 +163,13 @@ class TrainConfig:
               "torchrun did not start",
         choices=("fsdp", "ddp"))
     ddp_timeout: int = option(1800, "seconds any collective of several processes may wait before it fails")
+    # -- memory plan --
+    gpu_memory: str | None = option(
+        None, "device memory to plan for, e.g. 24GiB (default: the GPU's own); the plan goes to "
+              "<output_dir>/memory_plan.txt")
+    auto_fit: bool = option(
+        False, "pick the largest per_device_train_batch_size (gradient_accumulation_steps and steps_per_generation "
+               "scaled to keep the update), the KV pool and the loss chunk that fit gpu_memory by the memory plan")
     # -- evaluation, checkpoints, logs --
     output_dir: str | None = option(None, "where the run goes (config, metrics.jsonl, checkpoints, plots); "
                                           "default runs/<date-time>")
@@ -177,6 +189,13 @@ class TrainConfig:
     def __post_init__(self):
         _to_floats(self)
         _check_types(self)
+        if self.gpu_memory is not None:
+            from fastgrpo.train.plan import parse_size
+
+            parse_size(self.gpu_memory)  # a size, or a ValueError naming gpu_memory
+        for name in ("kv_cache_blocks", "loss_chunk_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 (or None), got {getattr(self, name)}")
         positive = ("num_generations", "max_completion_length", "block_size", "num_iterations",
                     "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "eval_num_samples",
                     "lora_r", "lora_alpha", "ddp_timeout")

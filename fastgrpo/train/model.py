@@ -54,11 +54,16 @@ def _loading(name: str):
                            hub_constants.HF_HUB_OFFLINE) from e
 
 
-def max_positions(config: TrainConfig) -> int | None:
-    """The model's context window (from its config.json, without loading weights); None when it does not say."""
+def model_config(config: TrainConfig):
+    """The model's configuration (its config.json, without loading weights)."""
     path = model_path(config)
     with _loading(path):
-        return context_window(AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code))
+        return AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+
+
+def max_positions(config: TrainConfig) -> int | None:
+    """The model's context window; None when its configuration does not say."""
+    return context_window(model_config(config))
 
 
 def train_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:

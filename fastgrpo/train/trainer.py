@@ -28,7 +28,9 @@ import dataclasses
 import datetime
 import gc
 import math
+import sys
 import time
+import warnings
 import zlib
 from collections import defaultdict
 from contextlib import nullcontext
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerState, get_scheduler
 
+from fastgrpo.chunked import chunk_size
 from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES, LossConfig
 from fastgrpo.memory import peak_memory, reset_peak_memory
 from fastgrpo.models import find_hf_model, stop_token_ids
@@ -64,12 +67,25 @@ from fastgrpo.train.model import (
     load_policy,
     load_reference,
     load_tokenizer,
+    model_config,
     train_dtype,
+)
+from fastgrpo.train.plan import (
+    GiB,
+    auto_fit,
+    describe_peak,
+    format_plan,
+    model_shapes,
+    parse_size,
+    plan_memory,
+    suggestions,
+    usable,
 )
 from fastgrpo.train.rewards import Rewards, accuracy
 from fastgrpo.train.rollout import Rollout, group_advantages, micro_batch, micro_batches, sampler_importance_weights
 from fastgrpo.train.run_dir import RunDir
 
+PLAN_FILE = "memory_plan.txt"
 # Dataset columns that do not reach reward functions as keywords (TRL's, and the keywords the trainer passes).
 RESERVED_REWARD_ARGS = ("prompt", "completion", "prompts", "completions", "completion_ids", "trainer_state",
                         "log_extra", "log_metric")
@@ -127,10 +143,12 @@ class Trainer:
                 self._load(resume_from)
             if self.world.is_main:
                 run_dir.delete(replaced)  # the old run goes only now that the new one has its model and data
+            config = self.config  # as --auto-fit left it
             self.log = MetricsLog(self.output_dir, config.report_to, config.to_dict(),
                                   self.step if resume_from is not None else None, write=self.world.is_main)
             if self.world.is_main:
                 config.save_yaml(self.output_dir / "config.yaml")
+                (self.output_dir / PLAN_FILE).write_text(self.plan_text + "\n")
         except BaseException:
             self.folder.release(remove_new=True)
             raise
@@ -156,10 +174,42 @@ class Trainer:
         self.folder.lock()
         return resume_from, replaced
 
+    def _plan_memory(self) -> None:
+        """The memory plan of this run (fastgrpo.train.plan) for gpu_memory (or the GPU's own), in self.plan_text;
+        with auto_fit the config takes the settings it picks. A run the plan says does not fit gets a warning."""
+        config = self.config
+        gpu = None
+        if config.gpu_memory is not None:
+            gpu = parse_size(config.gpu_memory)
+        elif self.device.type == "cuda":
+            gpu = torch.cuda.get_device_properties(self.device).total_memory
+        if config.auto_fit and gpu is None:
+            raise ValueError("auto_fit: give gpu_memory (e.g. --gpu-memory 24GiB); a CPU has no device memory to fit")
+        shapes = model_shapes(model_config(config))
+        if config.auto_fit:
+            plan = auto_fit(config, gpu, shapes, self.device.type)
+            mb, step = plan.settings["per_device_train_batch_size"], plan.settings["samples_per_step"]
+            self.config = config = dataclasses.replace(
+                config, per_device_train_batch_size=mb, gradient_accumulation_steps=step // mb,
+                steps_per_generation=config.generation_batch_size // mb,
+                kv_cache_blocks=plan.settings["kv_blocks"] if plan.settings["kv_pages_cut"] else config.kv_cache_blocks,
+                loss_chunk_tokens=plan.settings["chunk_override"] or config.loss_chunk_tokens)
+        else:
+            plan = plan_memory(config, shapes=shapes, device_type=self.device.type)
+        self.plan_text = format_plan(plan, gpu)
+        if gpu is not None and self.world.is_main:
+            print(f"fastgrpo train: memory plan: peak {plan.peak() / GiB:.1f} GiB ({describe_peak(plan)}) of "
+                  f"{gpu / GiB:.1f} GiB; {PLAN_FILE} in the output folder", file=sys.stderr)
+            if not plan.fits(gpu):
+                warnings.warn(f"the memory plan's peak, {plan.peak() / GiB:.1f} GiB, is over the "
+                              f"{usable(gpu) / GiB:.1f} GiB that tensors can use of gpu_memory {gpu / GiB:.1f} GiB; "
+                              f"--auto-fit picks settings that fit, or {suggestions(config)}", stacklevel=2)
+
     def _load(self, resume_from: Path | None) -> None:
         """Tokenizer, prompts, rewards, policy (a checkpoint's weights on resume), reference, engine, the policy
         sharded or replicated over the processes, optimizer and schedule, and on resume the optimizer, schedule, RNG
         and data position."""
+        self._plan_memory()
         config = self.config
         torch.manual_seed(config.seed)  # LoRA's initial weights (the same on every rank)
         self.tokenizer = load_tokenizer(config)
@@ -187,7 +237,7 @@ class Trainer:
         # Under FSDP2 the layers keep FSDP's forward hooks while sampling (no-ops on unsharded weights, but they
         # touch streams, which a CUDA-graph capture does not allow): decode steps run eager there.
         self.engine = Engine(self.model, tokenizer=self.tokenizer, block_size=config.block_size,
-                             memory_fraction=config.sampling_memory_fraction,
+                             num_blocks=config.kv_cache_blocks, memory_fraction=config.sampling_memory_fraction,
                              cuda_graphs=self.parallelism != "fsdp")
 
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
@@ -247,7 +297,8 @@ class Trainer:
         unfreeze = gc.get_freeze_count() == 0
         gc.freeze()
         try:
-            return self._train()
+            with chunk_size(self.config.loss_chunk_tokens):
+                return self._train()
         finally:
             if unfreeze:
                 gc.unfreeze()

@@ -1,0 +1,310 @@
+"""The memory plan: each phase's peak device memory predicted from the model's config alone, and the settings that fit.
+
+`fastgrpo plan` prints it, `fastgrpo train` logs it at the start, and `fastgrpo train --auto-fit` applies it: the
+largest micro-batch, the KV pool and the loss chunk that fit `gpu_memory`. The model is built on the meta device
+(no weights read or allocated), which gives every parameter's shape exactly; the rest are formulas over the shapes,
+written out with their derivations in benchmarks/NOTES.md ("Memory plan") and checked against live-tensor traces of
+real runs (fastgrpo/memory_trace.py, benchmarks/memory_plan.py).
+
+Phases (bytes of live tensors; the CUDA context and allocator slack are the `RESERVE` left out of gpu_memory):
+    sampling   weights + trainable state + the KV pool + one engine forward (a token budget) and the sampler
+    logprobs   weights + trainable state + a no-grad micro-batch forward + the loss's no-grad chunk
+    train      weights + trainable state + gradients + one micro-batch's checkpointed layer inputs, the recompute of
+               one layer in the backward and the fused loss's chunk and gradients, + the optimizer step's states
+Sequences are planned at their longest (max_prompt_length + max_completion_length): a micro-batch pads to it.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from fastgrpo.train.config import TrainConfig
+
+GiB = 2**30
+# Left out of the device's memory before planning: the CUDA context (~0.5 GiB with cuBLAS and Triton loaded) and
+# the caching allocator's fragmentation (a few % of what it holds).
+RESERVE_BYTES = GiB // 2
+RESERVE_FRACTION = 0.05
+NF4_BLOCK, NF4_STATE_BLOCK = 64, 256  # bitsandbytes: 4-bit blocks of 64 weights; double quantization's 256 scales
+ADAM8_BLOCK, ADAM8_MIN = 256, 4096  # bitsandbytes' 8-bit AdamW: a scale per 256 values; smaller tensors stay 32-bit
+SAMPLER_BYTES_PER_LOGIT = 2 + 4 + 4 + 4 + 8  # model logits (bf16), fp32 copy, scaled, exp, fp64 cdf
+CUDA_LOSS_BYTES_PER_LOGIT = 4 + 2  # fp32 logits and the bf16 dZ of a chunk (fastgrpo/chunked.py)
+
+
+@dataclass(slots=True)
+class Shapes:
+    """What the plan needs of a model, read off a meta-device build of its config."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    params: int  # every parameter (a tied head once)
+    linear_params: int  # the decoder layers' linear weights (what 4-bit quantizes and LoRA adapts)
+    linears: list[tuple[int, int]]  # (in, out) of every linear layer in the decoder layers
+    linear_inputs: int  # per token, the summed input width of one layer's linears (LoRA dropout copies)
+
+
+def model_shapes(model_config) -> Shapes:
+    """Shapes of the causal LM `model_config` describes, from a build on the meta device (nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    text = model_config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = next(m for m in decoder.modules() if isinstance(m, torch.nn.ModuleList))
+    linears = [(m.in_features, m.out_features) for m in layers.modules() if isinstance(m, torch.nn.Linear)]
+    first = [(m.in_features, m.out_features) for m in layers[0].modules() if isinstance(m, torch.nn.Linear)]
+    return Shapes(
+        layers=len(layers), hidden=text.hidden_size, intermediate=text.intermediate_size, heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim, vocab=text.vocab_size,
+        tied=bool(getattr(text, "tie_word_embeddings", False) or getattr(model_config, "tie_word_embeddings", False)),
+        params=sum(p.numel() for p in model.parameters()), linear_params=sum(i * o for i, o in linears),
+        linears=linears, linear_inputs=sum(i for i, _ in first),
+    )  # fmt: skip
+
+
+@dataclass
+class Plan:
+    """Per phase, its components in bytes; `peak(phase)`, `peak()` (the largest), `fits(gpu_bytes)`."""
+
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)  # the micro-batch, KV blocks and loss chunk planned with
+
+    def peak(self, phase: str | None = None) -> int:
+        if phase is not None:
+            return sum(self.phases[phase].values())
+        return max(self.peak(p) for p in self.phases)
+
+    def fits(self, gpu_bytes: int) -> bool:
+        return self.peak() <= usable(gpu_bytes)
+
+
+def usable(gpu_bytes: int) -> int:
+    """What of a device's memory live tensors may take: less the context and the allocator's slack."""
+    return int(gpu_bytes * (1 - RESERVE_FRACTION)) - RESERVE_BYTES
+
+
+def dtype_bytes(config: TrainConfig, device_type: str) -> int:
+    bf16 = config.bf16 if config.bf16 is not None else device_type == "cuda"
+    return 2 if bf16 else 4
+
+
+def weight_bytes(s: Shapes, config: TrainConfig, b: int) -> int:
+    """The policy's weights: every parameter in the training dtype, or with load_in_4bit the decoder layers' linear
+    weights as NF4 (half a byte each, one uint8 scale per 64 weights and one fp32 scale per 256 scales)."""
+    if not config.load_in_4bit:
+        return s.params * b
+    n = s.linear_params
+    quantized = n // 2 + n // NF4_BLOCK + 4 * (n // (NF4_BLOCK * NF4_STATE_BLOCK))
+    return (s.params - s.linear_params) * b + quantized
+
+
+def lora_params(s: Shapes, config: TrainConfig) -> list[int]:
+    """Every LoRA tensor's size: A [r, in] and B [out, r] per adapted linear layer ("all-linear": all of them)."""
+    r = config.lora_r
+    return [n for i, o in s.linears for n in (r * i, o * r)]
+
+
+def optimizer_bytes(sizes: list[int], config: TrainConfig, b: int) -> int:
+    """AdamW's two moments: in the parameters' dtype (PyTorch), or 8-bit with a fp32 scale per 256 values for
+    tensors of at least 4096 values (bitsandbytes; smaller tensors keep fp32 moments)."""
+    if config.optim == "adamw_8bit":
+        return sum(2 * n + 2 * 4 * math.ceil(n / ADAM8_BLOCK) if n >= ADAM8_MIN else 2 * 4 * n for n in sizes)
+    return sum(2 * b * n for n in sizes)
+
+
+def layer_recompute_bytes(s: Shapes, config: TrainConfig, tokens: int, b: int) -> int:
+    """One decoder layer's activations kept for its backward, recomputed from its checkpointed input, and the
+    gradients alive while its backward runs: normed inputs, q/k/v and their rotated copies, the attention output and
+    its logsumexp, the residual sums, the MLP's gate, up, SiLU(gate) and product; with LoRA dropout a dropped-out copy
+    of every adapted layer's input. The backward adds about two of the largest gradients ([tokens, intermediate])."""
+    H, inter, q, kv = s.hidden, s.intermediate, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    per_token = 4 * H + (q + 2 * kv) + (q + kv) + q + 4 * inter + 2 * inter
+    if config.use_peft and config.lora_dropout > 0:
+        per_token += s.linear_inputs
+    return tokens * per_token * b + tokens * s.heads * 4  # + the attention's fp32 logsumexp
+
+
+def loss_chunk(s: Shapes, config: TrainConfig, device_type: str, chunk_tokens: int | None) -> int:
+    """The fused loss's chunk (fastgrpo.chunked.chunk_tokens): on CUDA ~2 GiB of fp32 logits + bf16 dZ, on a CPU
+    32 MiB of fp32 logits and at least 256 tokens."""
+    from fastgrpo.chunked import chunk_tokens as default
+
+    return chunk_tokens or default(s.vocab, torch.device(device_type))
+
+
+def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "cuda", micro_batch: int | None = None,
+                kv_blocks: int | None = None, chunk_tokens: int | None = None, shapes: Shapes | None = None) -> Plan:
+    """The plan of `config` (its model's config read from model_name_or_path unless given)."""
+    if shapes is None:
+        if model_config is None:
+            from fastgrpo.train.model import model_config as read_model_config
+
+            model_config = read_model_config(config)
+        shapes = model_shapes(model_config)
+    s, b = shapes, dtype_bytes(config, device_type)
+    mb = micro_batch or config.per_device_train_batch_size
+    prompt = config.max_prompt_length or 512
+    T = prompt + config.max_completion_length
+    tokens, completion_tokens = mb * T, mb * config.max_completion_length
+    chunk = min(loss_chunk(s, config, device_type, chunk_tokens), completion_tokens)
+
+    weights = {"weights": weight_bytes(s, config, b)}
+    if config.beta != 0 and not config.use_peft:
+        weights["reference weights"] = s.params * b
+    if config.use_peft:
+        sizes = lora_params(s, config)
+        trainable = {"LoRA weights (fp32)": 4 * sum(sizes), "optimizer states": optimizer_bytes(sizes, config, 4)}
+        grads = 4 * sum(sizes)
+    else:
+        sizes = [s.params]  # one tensor per parameter in fact; the 8-bit rule counts per tensor, see optimizer_bytes
+        trainable = {"optimizer states": optimizer_bytes(sizes, config, b)}
+        grads = s.params * b
+    resident = {**weights, **trainable}
+
+    # sampling: the KV pool (pages of block_size tokens, prompts shared within a group) and one engine forward
+    G, P = config.num_generations, config.generation_batch_size // config.num_generations
+    bs = config.block_size
+    needed = P * (prompt // bs + G * math.ceil((prompt % bs + config.max_completion_length) / bs))
+    blocks = needed if kv_blocks is None else min(kv_blocks, needed)
+    kv_per_block = 2 * s.layers * bs * s.kv_heads * s.head_dim * b
+    rows = min(256, config.generation_batch_size)  # the engine's max_num_seqs
+    step_tokens = min(4096, P * prompt + rows)  # its max_num_batched_tokens
+    sampling = {**resident, "KV pool": (blocks + 1) * kv_per_block,
+                "engine forward": step_tokens * (2 * s.hidden + 3 * s.intermediate) * b,
+                "sampler": rows * s.vocab * SAMPLER_BYTES_PER_LOGIT}
+
+    # no-grad logprobs: one layer at a time, the last hidden states, and the loss's no-grad chunk of fp32 logits
+    logprobs = {**resident, "forward (no grad)": tokens * (3 * s.hidden + 3 * s.intermediate) * b,
+                "loss chunk": chunk * s.vocab * 4}
+
+    # train: checkpointed inputs (offloaded: the last layer's and one in flight), the recompute of one layer, the
+    # last hidden states and their selection, the loss's chunk and dX (and dW in fp32 when the head trains)
+    kept = min(s.layers, 2) if config.offload_activations else s.layers
+    checkpointed = (kept if config.gradient_checkpointing else 0) * tokens * s.hidden * b
+    layer = layer_recompute_bytes(s, config, tokens, b)
+    if not config.gradient_checkpointing:
+        layer *= s.layers
+    loss_bytes = chunk * s.vocab * (CUDA_LOSS_BYTES_PER_LOGIT if device_type == "cuda" else 8)
+    head = 3 * completion_tokens * s.hidden * b + tokens * s.hidden * b
+    if not config.use_peft:
+        loss_bytes += s.vocab * s.hidden * 4  # dW accumulated in fp32
+    train = {**resident, "gradients": grads, "checkpointed layer inputs": checkpointed, "layer recompute": layer,
+             "last hidden states": head, "loss chunk": loss_bytes}
+    return Plan({"sampling": sampling, "logprobs": logprobs, "train": train},
+                {"per_device_train_batch_size": mb, "kv_blocks": blocks, "kv_blocks_needed": needed,
+                 "loss_chunk_tokens": chunk, "chunk_override": chunk_tokens, "kv_pages_cut": blocks < needed,
+                 "samples_per_step": config.per_device_train_batch_size * config.gradient_accumulation_steps})
+
+
+def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: str = "cuda") -> Plan:
+    """The plan with the largest micro-batch that fits (a divisor of the samples per optimizer step, so the update
+    is the same), then the KV pool (all of a round's pages if they fit, else as many as fit) and a smaller loss chunk
+    if that is what it takes. ValueError, naming what would fit, when even micro-batch 1 does not."""
+    step = config.per_device_train_batch_size * config.gradient_accumulation_steps
+    limit = usable(gpu_bytes)
+    for mb in sorted((d for d in range(1, step + 1) if step % d == 0), reverse=True):
+        for chunk in (None, 4096, 1024, 256):
+            plan = plan_memory(config, device_type=device_type, micro_batch=mb, chunk_tokens=chunk, shapes=shapes)
+            if max(plan.peak("train"), plan.peak("logprobs")) > limit:
+                continue
+            over = plan.peak("sampling") - limit
+            if over > 0:  # fewer KV pages: the engine then runs the round in waves (preemption by recompute)
+                per_block = plan.phases["sampling"]["KV pool"] // (plan.settings["kv_blocks"] + 1)
+                blocks = plan.settings["kv_blocks"] - math.ceil(over / per_block)
+                group = plan.settings["kv_blocks_needed"] // (config.generation_batch_size // config.num_generations)
+                if blocks < group:
+                    continue
+                plan = plan_memory(config, device_type=device_type, micro_batch=mb, chunk_tokens=chunk,
+                                   kv_blocks=blocks, shapes=shapes)
+            return plan
+    smallest = plan_memory(config, device_type=device_type, micro_batch=1, chunk_tokens=256, shapes=shapes)
+    raise ValueError(
+        f"gpu_memory: {gpu_bytes / GiB:.1f} GiB ({limit / GiB:.1f} GiB for tensors) cannot fit even "
+        f"per_device_train_batch_size 1: it needs {smallest.peak() / GiB:.1f} GiB ({describe_peak(smallest)}); "
+        + alternatives(config, shapes, device_type, gpu_bytes))
+
+
+def alternatives(config: TrainConfig, shapes: Shapes, device_type: str, gpu_bytes: int) -> str:
+    """The memory options not yet on, added one by one, with the micro-batch-1 peak of each (and whether it fits)."""
+    import dataclasses
+
+    steps = [{"use_peft": True}, {"load_in_4bit": True}, {"offload_activations": config.gradient_checkpointing},
+             {"max_completion_length": max(1, config.max_completion_length // 2)}]
+    changes, said = {}, []
+    for step in steps:
+        if all(getattr(config, k) == v for k, v in step.items()):
+            continue
+        changes |= step
+        trial = dataclasses.replace(config, **changes)
+        peak = plan_memory(trial, device_type=device_type, micro_batch=1, chunk_tokens=256, shapes=shapes).peak()
+        flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in changes.items())
+        said.append(f"{flags}: {peak / GiB:.1f} GiB" + (" (fits)" if peak <= usable(gpu_bytes) else ""))
+        if peak <= usable(gpu_bytes):
+            break
+    return "with " + "; with ".join(said) if said else "no memory option is left to try: a larger GPU is needed"
+
+
+def describe_peak(plan: Plan) -> str:
+    phase = max(plan.phases, key=plan.peak)
+    parts = sorted(plan.phases[phase].items(), key=lambda kv: -kv[1])[:3]
+    return f"{phase}: " + ", ".join(f"{name} {n / GiB:.1f}" for name, n in parts)
+
+
+def suggestions(config: TrainConfig) -> str:
+    """What would make a plan smaller, among the options not yet on."""
+    options = []
+    if not config.use_peft:
+        options.append("--use-peft")
+    if config.use_peft and not config.load_in_4bit:
+        options.append("--load-in-4bit")
+    if config.optim != "adamw_8bit" and not config.use_peft:
+        options.append("--optim adamw_8bit")
+    if not config.offload_activations and config.gradient_checkpointing:
+        options.append("--offload-activations")
+    options.append("a shorter max_completion_length")
+    return "try " + ", ".join(options)
+
+
+def format_plan(plan: Plan, gpu_bytes: int | None = None) -> str:
+    """The plan as a table: one column per phase, one row per component (GiB)."""
+    names = list(dict.fromkeys(name for parts in plan.phases.values() for name in parts))
+    phases = list(plan.phases)
+    lines = [f"{'GiB':<28}" + "".join(f"{p:>11}" for p in phases)]
+    for name in names:
+        cells = [plan.phases[p].get(name) for p in phases]
+        lines.append(f"{name:<28}" + "".join(f"{'':>11}" if c is None else f"{c / GiB:>11.2f}" for c in cells))
+    lines.append(f"{'peak':<28}" + "".join(f"{plan.peak(p) / GiB:>11.2f}" for p in phases))
+    shown = ("per_device_train_batch_size", "kv_blocks", "kv_blocks_needed", "loss_chunk_tokens")
+    settings = ", ".join(f"{k} {plan.settings[k]}" for k in shown)
+    lines.append(f"planned with {settings}")
+    if gpu_bytes is not None:
+        verdict = "fits" if plan.fits(gpu_bytes) else "does NOT fit"
+        lines.append(f"{verdict} in {gpu_bytes / GiB:.1f} GiB ({usable(gpu_bytes) / GiB:.1f} GiB for tensors after "
+                     f"the CUDA context and allocator slack); peak {plan.peak() / GiB:.2f} GiB ({describe_peak(plan)})")
+    return "\n".join(lines)
+
+
+def parse_size(text: str) -> int:
+    """'24GiB', '24GB', '24' (GiB), '80 GiB', '16000MiB' -> bytes."""
+    units = {"": GiB, "g": GiB, "gb": 10**9, "gib": GiB, "m": 2**20, "mb": 10**6, "mib": 2**20, "t": 2**40,
+             "tb": 10**12, "tib": 2**40}
+    stripped = text.strip().lower().replace(" ", "")
+    number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = stripped[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = math.nan
+    if unit not in units or not value > 0 or math.isinf(value):
+        raise ValueError(f"gpu_memory: {text!r} is not a memory size such as 24GiB, 80GB or 16000MiB")
+    return int(value * units[unit])

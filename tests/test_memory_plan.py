@@ -1,0 +1,109 @@
+"""The memory plan: `fastgrpo plan` on config-only model folders, --auto-fit, and its errors."""
+
+from pathlib import Path
+
+import pytest
+from test_train import assets, make_config  # noqa: F401 - assets is a fixture
+
+from fastgrpo.cli import main
+from fastgrpo.train import Trainer
+from fastgrpo.train.logs import read_metrics
+from fastgrpo.train.model import model_config
+from fastgrpo.train.plan import RESERVE_BYTES, RESERVE_FRACTION, GiB, model_shapes, plan_memory
+
+MODELS = Path(__file__).parent.parent / "benchmarks" / "models"
+QWEN_7B = str(MODELS / "qwen2.5-7b")
+GRPO_7B = ["--model-name-or-path", QWEN_7B, "-G", "8", "--max-completion-length", "1024", "--max-prompt-length", "256",
+           "--per-device-train-batch-size", "8", "--use-peft", "--lora-r", "16"]
+
+
+def test_plan_of_a_config_only_folder(capsys):
+    """No weights anywhere: Qwen2.5-7B's plan from its config.json; 4-bit QLoRA fits a 16 GiB card, bf16 LoRA not."""
+    assert not any(p.suffix == ".safetensors" for p in Path(QWEN_7B).iterdir())
+    main(["plan", *GRPO_7B, "--load-in-4bit", "--gpu-memory", "16GiB"])
+    out = capsys.readouterr().out
+    assert "fits in 16.0 GiB" in out and "KV pool" in out and "checkpointed layer inputs" in out
+    peak = float(out.split("; peak ")[1].split(" GiB")[0])
+    assert 6 < peak < 14  # NF4 weights ~5.2 GiB
+    with pytest.raises(SystemExit) as done:
+        main(["plan", *GRPO_7B, "--gpu-memory", "16GiB"])
+    assert done.value.code == 1
+    captured = capsys.readouterr()
+    assert "does NOT fit in 16.0 GiB" in captured.out and "--load-in-4bit" in captured.err
+
+
+def test_plan_counts_what_the_options_change():
+    """Each option moves the component it should, by the bytes it should."""
+    config = model_config(make_config_for(QWEN_7B))
+    shapes = model_shapes(config)
+    base = make_config_for(QWEN_7B, use_peft=True, bf16=True)
+    plain = plan_memory(base, shapes=shapes)
+    q4 = plan_memory(make_config_for(QWEN_7B, use_peft=True, bf16=True, load_in_4bit=True), shapes=shapes)
+    offload = plan_memory(make_config_for(QWEN_7B, use_peft=True, bf16=True, offload_activations=True), shapes=shapes)
+    assert plain.phases["train"]["weights"] == shapes.params * 2 and shapes.params > 7.6e9
+    # NF4: half a byte per quantized weight and ~1/64 byte of scales; the rest (embeddings, head, norms) in bf16
+    quantized = shapes.linear_params
+    assert q4.phases["train"]["weights"] == pytest.approx((shapes.params - quantized) * 2 + quantized * 0.5159, 1e-3)
+    tokens = 8 * (256 + 1024)
+    layer_input = tokens * shapes.hidden * 2
+    assert plain.phases["train"]["checkpointed layer inputs"] == shapes.layers * layer_input
+    assert offload.phases["train"]["checkpointed layer inputs"] == 2 * layer_input
+    full = plan_memory(make_config_for(QWEN_7B, bf16=True), shapes=shapes)
+    assert full.phases["train"]["optimizer states"] == 2 * 2 * shapes.params  # bf16 moments
+    eight = plan_memory(make_config_for(QWEN_7B, bf16=True, optim="adamw_8bit"), shapes=shapes)
+    assert eight.phases["train"]["optimizer states"] == pytest.approx(2 * shapes.params * (1 + 4 / 256), 1e-6)
+
+
+def make_config_for(model: str, **overrides):
+    from fastgrpo.train import TrainConfig
+
+    values = dict(model_name_or_path=model, dataset_name="builtin", num_generations=8, max_completion_length=1024,
+                  max_prompt_length=256, per_device_train_batch_size=8)
+    return TrainConfig(**{**values, **overrides})
+
+
+def test_a_gpu_too_small_is_refused_naming_what_would_fit(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--model-name-or-path", QWEN_7B, "--gpu-memory", "8GiB", "--auto-fit"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastgrpo plan: error: gpu_memory: 8.0 GiB (7.1 GiB for tensors) cannot fit even "
+                          "per_device_train_batch_size 1: it needs ")
+    assert "with --use-peft: " in err and "with --use-peft --load-in-4bit: " in err and "(fits)" in err
+    with pytest.raises(SystemExit):
+        main(["plan", "--model-name-or-path", QWEN_7B, "--gpu-memory", "lots"])
+    assert "gpu_memory: 'lots' is not a memory size such as 24GiB" in capsys.readouterr().err
+
+
+def test_auto_fit_picks_a_smaller_micro_batch_and_the_update_stays(assets, tmp_path):  # noqa: F811
+    """A gpu_memory between the micro-batch-4 and micro-batch-8 plans: --auto-fit trains with 4 (and twice the
+    accumulation and steps per generation), and the update is the unfitted run's: the same rewards and the same
+    gradient at the optimizer step (to fp32 summation order); the plan is in the output folder."""
+    settings = dict(max_steps=1, save_steps=0, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                    steps_per_generation=2, eval_num_samples=1)
+    config = make_config(assets, tmp_path / "a", **settings)
+    shapes = model_shapes(model_config(config))
+    peaks = {mb: plan_memory(config, shapes=shapes, device_type="cpu", micro_batch=mb).peak() for mb in (4, 8)}
+    assert peaks[4] < peaks[8]
+    gpu = ((peaks[4] + peaks[8]) / 2 + RESERVE_BYTES) / (1 - RESERVE_FRACTION)
+    assert gpu < GiB  # a tiny model's plan: well under a GiB on top of the reserve
+    runs = [Trainer(config), Trainer(make_config(assets, tmp_path / "b", auto_fit=True,
+                                                 gpu_memory=f"{gpu / 2**20:.3f}MiB", **settings))]
+    assert (runs[1].config.per_device_train_batch_size, runs[1].config.gradient_accumulation_steps,
+            runs[1].config.steps_per_generation) == (4, 2, 4)
+    gradients = []
+    for trainer in runs:
+        step = trainer.optimizer.step
+        trainer.optimizer.step = lambda t=trainer, s=step: gradients.append(
+            [p.grad.clone() for p in t.parameters]) or s()
+        trainer.train()
+    assert len(gradients) == 4  # two optimizer steps per round in each run
+    for whole, fitted in zip(gradients[:2], gradients[2:], strict=True):
+        for a, b in zip(whole, fitted, strict=True):
+            assert (a - b).abs().max() <= 1e-5 * a.abs().max()
+    a, b = read_metrics(tmp_path / "a" / "run"), read_metrics(tmp_path / "b" / "run")
+    assert [r.get("reward") for r in a] == [r.get("reward") for r in b] and a[-1]["reward"] is not None
+    text = (tmp_path / "b" / "run" / "memory_plan.txt").read_text()
+    assert "per_device_train_batch_size 4" in text and "fits in" in text
+    with pytest.raises(ValueError, match=r"auto_fit: give gpu_memory"):
+        Trainer(make_config(assets, tmp_path / "c", auto_fit=True))

@@ -40,18 +40,19 @@ def test_plan_counts_what_the_options_change():
     plain = plan_memory(base, shapes=shapes)
     q4 = plan_memory(make_config_for(QWEN_7B, use_peft=True, bf16=True, load_in_4bit=True), shapes=shapes)
     offload = plan_memory(make_config_for(QWEN_7B, use_peft=True, bf16=True, offload_activations=True), shapes=shapes)
-    assert plain.phases["train"]["weights"] == shapes.params * 2 and shapes.params > 7.6e9
+    assert plain.phases["train: backward"]["weights"] == shapes.params * 2 and shapes.params > 7.6e9
     # NF4: half a byte per quantized weight and ~1/64 byte of scales; the rest (embeddings, head, norms) in bf16
     quantized = shapes.linear_params
-    assert q4.phases["train"]["weights"] == pytest.approx((shapes.params - quantized) * 2 + quantized * 0.5159, 1e-3)
+    want = (shapes.params - quantized) * 2 + quantized * 0.5159
+    assert q4.phases["train: backward"]["weights"] == pytest.approx(want, 1e-3)
     tokens = 8 * (256 + 1024)
     layer_input = tokens * shapes.hidden * 2
-    assert plain.phases["train"]["checkpointed layer inputs"] == shapes.layers * layer_input
-    assert offload.phases["train"]["checkpointed layer inputs"] == 2 * layer_input
+    assert plain.phases["train: backward"]["checkpointed layer inputs"] == shapes.layers * layer_input
+    assert offload.phases["train: backward"]["checkpointed layer inputs"] == 2 * layer_input
     full = plan_memory(make_config_for(QWEN_7B, bf16=True), shapes=shapes)
-    assert full.phases["train"]["optimizer states"] == 2 * 2 * shapes.params  # bf16 moments
+    assert full.phases["train: backward"]["optimizer states"] == 2 * 2 * shapes.params  # bf16 moments
     eight = plan_memory(make_config_for(QWEN_7B, bf16=True, optim="adamw_8bit"), shapes=shapes)
-    assert eight.phases["train"]["optimizer states"] == pytest.approx(2 * shapes.params * (1 + 4 / 256), 1e-6)
+    assert eight.phases["train: backward"]["optimizer states"] == pytest.approx(2 * shapes.params * (1 + 4 / 256), 1e-6)
 
 
 def make_config_for(model: str, **overrides):

@@ -28,7 +28,7 @@ RESERVE_BYTES = GiB // 2
 RESERVE_FRACTION = 0.05
 NF4_BLOCK, NF4_STATE_BLOCK = 64, 256  # bitsandbytes: 4-bit blocks of 64 weights; double quantization's 256 scales
 ADAM8_BLOCK, ADAM8_MIN = 256, 4096  # bitsandbytes' 8-bit AdamW: a scale per 256 values; smaller tensors stay 32-bit
-SAMPLER_BYTES_PER_LOGIT = 2 + 4 + 4 + 4 + 8  # model logits (bf16), fp32 copy, scaled, exp, fp64 cdf
+SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 8  # fp32 logits, exp, fp64 cdf (fastgrpo/sampling/sampler.py)
 CUDA_LOSS_BYTES_PER_LOGIT = 4 + 2  # fp32 logits and the bf16 dZ of a chunk (fastgrpo/chunked.py)
 
 
@@ -122,24 +122,40 @@ def optimizer_bytes(sizes: list[int], config: TrainConfig, b: int) -> int:
     return sum(2 * b * n for n in sizes)
 
 
-def layer_recompute_bytes(s: Shapes, config: TrainConfig, tokens: int, b: int) -> int:
-    """One decoder layer's activations kept for its backward, recomputed from its checkpointed input, and the
-    gradients alive while its backward runs: normed inputs, q/k/v and their rotated copies, the attention output and
-    its logsumexp, the residual sums, the MLP's gate, up, SiLU(gate) and product; with LoRA dropout a dropped-out copy
-    of every adapted layer's input. The backward adds about two of the largest gradients ([tokens, intermediate])."""
-    H, inter, q, kv = s.hidden, s.intermediate, s.heads * s.head_dim, s.kv_heads * s.head_dim
-    per_token = 4 * H + (q + 2 * kv) + (q + kv) + q + 4 * inter + 2 * inter
-    if config.use_peft and config.lora_dropout > 0:
-        per_token += s.linear_inputs
-    return tokens * per_token * b + tokens * s.heads * 4  # + the attention's fp32 logsumexp
-
-
 def loss_chunk(s: Shapes, config: TrainConfig, device_type: str, chunk_tokens: int | None) -> int:
     """The fused loss's chunk (fastgrpo.chunked.chunk_tokens): on CUDA ~2 GiB of fp32 logits + bf16 dZ, on a CPU
     32 MiB of fp32 logits and at least 256 tokens."""
     from fastgrpo.chunked import chunk_tokens as default
 
     return chunk_tokens or default(s.vocab, torch.device(device_type))
+
+
+def layer_saved_per_token(s: Shapes, config: TrainConfig, b: int) -> int:
+    """What a layer's recompute keeps for its backward, per token: normed inputs and the residual sum (3 H), q, the
+    rotated q and the attention output (3 q), k, v and the rotated k (3 kv), k and v repeated to every query head
+    (2 q: SDPA with a padding mask and GQA), SwiGLU's gate, up, SiLU(gate) and product (4 I), all in the compute
+    dtype; with LoRA, per adapted layer, its input cast to fp32 and dropped out (4 + 1 mask bytes per input value; 4
+    without dropout: peft runs adapters in fp32)."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    repeated = 2 * q if s.kv_heads < s.heads else 0
+    per_token = b * (3 * s.hidden + 3 * q + 3 * kv + repeated + 4 * s.intermediate)
+    if config.use_peft:
+        per_token += (5 if config.lora_dropout > 0 else 4) * s.linear_inputs
+    return per_token
+
+
+# The backward of one layer adds gradients that live together with its saved tensors: with LoRA two fp32 and one
+# bf16 [T, I] gradient of the MLP's down projection input (10 bytes per I), and ~8 bytes per H of residual and norm
+# gradients. Coefficients read off the Qwen2.5-1.5B trace (benchmarks/NOTES.md, "Memory plan"), then checked on the
+# 7B and 8B traces.
+BACKWARD_BYTES_PER_I, BACKWARD_BYTES_PER_H = 10, 8
+
+
+def layer_forward_per_token(s: Shapes, config: TrainConfig, b: int, training: bool) -> int:
+    """A layer's forward without grad (checkpointed, or no-grad logprobs and sampling): SwiGLU's four [T, I] tensors at
+    the down projection, and with LoRA its input in fp32 (and a dropout mask while training)."""
+    lora = (4 + (1 if training and config.lora_dropout > 0 else 0)) if config.use_peft else 0
+    return (4 * b + lora) * s.intermediate
 
 
 def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "cuda", micro_batch: int | None = None,
@@ -155,8 +171,9 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     mb = micro_batch or config.per_device_train_batch_size
     prompt = config.max_prompt_length or 512
     T = prompt + config.max_completion_length
-    tokens, completion_tokens = mb * T, mb * config.max_completion_length
-    chunk = min(loss_chunk(s, config, device_type, chunk_tokens), completion_tokens)
+    tokens = mb * T
+    chunk = min(loss_chunk(s, config, device_type, chunk_tokens), mb * config.max_completion_length)
+    layer_input = tokens * s.hidden * b  # one decoder layer's input: what a checkpoint keeps
 
     weights = {"weights": weight_bytes(s, config, b)}
     if config.beta != 0 and not config.use_peft:
@@ -171,39 +188,61 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
         grads = s.params * b
     resident = {**weights, **trainable}
 
-    # sampling: the KV pool (pages of block_size tokens, prompts shared within a group) and one engine forward
+    # sampling: the KV pool (pages of block_size tokens, prompts shared within a group, one scratch page), then the
+    # larger of a prefill forward (max_num_batched_tokens) and a decode step (a token per running sequence)
     G, P = config.num_generations, config.generation_batch_size // config.num_generations
     bs = config.block_size
     needed = P * (prompt // bs + G * math.ceil((prompt % bs + config.max_completion_length) / bs))
     blocks = needed if kv_blocks is None else min(kv_blocks, needed)
-    kv_per_block = 2 * s.layers * bs * s.kv_heads * s.head_dim * b
     rows = min(256, config.generation_batch_size)  # the engine's max_num_seqs
-    step_tokens = min(4096, P * prompt + rows)  # its max_num_batched_tokens
-    sampling = {**resident, "KV pool": (blocks + 1) * kv_per_block,
-                "engine forward": step_tokens * (2 * s.hidden + 3 * s.intermediate) * b,
-                "sampler": rows * s.vocab * SAMPLER_BYTES_PER_LOGIT}
+    kv = (blocks + 1) * kv_block_bytes(s, bs, b)
+    prefill = min(4096, P * prompt + rows) * layer_forward_per_token(s, config, b, training=False)
+    sampling = {**resident, "KV pool": kv, "engine forward": max(prefill, rows * 2 * s.hidden * b),
+                "sampler": sampler_bytes(s, rows)}
 
     # no-grad logprobs: one layer at a time, the last hidden states, and the loss's no-grad chunk of fp32 logits
-    logprobs = {**resident, "forward (no grad)": tokens * (3 * s.hidden + 3 * s.intermediate) * b,
-                "loss chunk": chunk * s.vocab * 4}
+    logprobs = {**resident, "forward (no grad)": tokens * layer_forward_per_token(s, config, b, training=False)
+                + 2 * layer_input, "loss chunk": chunk * s.vocab * 4}
 
-    # train: checkpointed inputs (offloaded: the last layer's and one in flight), the recompute of one layer, the
-    # last hidden states and their selection, the loss's chunk and dX (and dW in fp32 when the head trains)
-    kept = min(s.layers, 2) if config.offload_activations else s.layers
-    checkpointed = (kept if config.gradient_checkpointing else 0) * tokens * s.hidden * b
-    layer = layer_recompute_bytes(s, config, tokens, b)
+    # train: the checkpointed layer inputs (offloaded: the last one's, and with LoRA the first one's, which peft's
+    # input gradient keeps alive), the final norm's input and output and the completion rows (3 layer inputs), then
+    # the largest of the forward's last layer, the fused loss's chunk, and the backward of one layer
     if not config.gradient_checkpointing:
-        layer *= s.layers
+        kept = 0
+    elif config.offload_activations:
+        kept = 2 if config.use_peft else 1
+    else:
+        kept = s.layers
+    stored = {**resident, "gradients": grads, "checkpointed layer inputs": kept * layer_input,
+              "final hidden states": 3 * layer_input}
+    saved = tokens * layer_saved_per_token(s, config, b)
+    if not config.gradient_checkpointing:
+        stored["layer activations"] = s.layers * saved
+    backward = saved + tokens * (BACKWARD_BYTES_PER_I * s.intermediate + BACKWARD_BYTES_PER_H * s.hidden)
+    if config.offload_activations:
+        backward += 3 * layer_input  # the inputs coming back: the one recomputed, the prefetched one, a copy
     loss_bytes = chunk * s.vocab * (CUDA_LOSS_BYTES_PER_LOGIT if device_type == "cuda" else 8)
-    head = 3 * completion_tokens * s.hidden * b + tokens * s.hidden * b
     if not config.use_peft:
         loss_bytes += s.vocab * s.hidden * 4  # dW accumulated in fp32
-    train = {**resident, "gradients": grads, "checkpointed layer inputs": checkpointed, "layer recompute": layer,
-             "last hidden states": head, "loss chunk": loss_bytes}
-    return Plan({"sampling": sampling, "logprobs": logprobs, "train": train},
-                {"per_device_train_batch_size": mb, "kv_blocks": blocks, "kv_blocks_needed": needed,
-                 "loss_chunk_tokens": chunk, "chunk_override": chunk_tokens, "kv_pages_cut": blocks < needed,
-                 "samples_per_step": config.per_device_train_batch_size * config.gradient_accumulation_steps})
+    forward = tokens * layer_forward_per_token(s, config, b, training=True)
+    phases = {"sampling": sampling, "logprobs": logprobs,
+              "train: forward": {**stored, "layer forward": forward},
+              "train: loss": {**stored, "loss chunk": loss_bytes},
+              "train: backward": {**stored, "layer backward": backward},
+              "train: optimizer step": {**resident, "gradients": grads, "update temporaries": grads}}
+    return Plan(phases, {"per_device_train_batch_size": mb, "kv_blocks": blocks, "kv_blocks_needed": needed,
+                         "loss_chunk_tokens": chunk, "chunk_override": chunk_tokens, "kv_pages_cut": blocks < needed,
+                         "samples_per_step": config.per_device_train_batch_size * config.gradient_accumulation_steps})
+
+
+def kv_block_bytes(s: Shapes, block_size: int, b: int) -> int:
+    """One page of the paged KV pool: K and V of block_size tokens in every layer."""
+    return 2 * s.layers * block_size * s.kv_heads * s.head_dim * b
+
+
+def sampler_bytes(s: Shapes, rows: int) -> int:
+    """The sampler's [rows, V] passes: fp32 logits, their exp and the fp64 cumulative sum."""
+    return rows * s.vocab * SAMPLER_BYTES_PER_LOGIT
 
 
 def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: str = "cuda") -> Plan:
@@ -215,7 +254,7 @@ def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: s
     for mb in sorted((d for d in range(1, step + 1) if step % d == 0), reverse=True):
         for chunk in (None, 4096, 1024, 256):
             plan = plan_memory(config, device_type=device_type, micro_batch=mb, chunk_tokens=chunk, shapes=shapes)
-            if max(plan.peak("train"), plan.peak("logprobs")) > limit:
+            if max(plan.peak(p) for p in plan.phases if p != "sampling") > limit:
                 continue
             over = plan.peak("sampling") - limit
             if over > 0:  # fewer KV pages: the engine then runs the round in waves (preemption by recompute)

@@ -1,0 +1,627 @@
+"""Device-memory peaks of fastgrpo's training micro-batch and decode step, as bytes of live tensors.
+
+`LiveBytes` counts the storages of live tensors at the dispatcher: every op's new output storage is added (once, by its
+nbytes; views and in-place results add nothing) and subtracted when the storage is freed. It works on real tensors
+and on FakeTensorMode tensors (whose meta storages have an nbytes but no memory), so the same code measures
+
+* `trace_train_step` / `trace_decode_step`: one micro-batch or one decode step at real shapes (a 7B model, thousands
+  of tokens) on fake CPU tensors: nothing is allocated, a trace takes seconds;
+* `measure_trainer_step`: one `Trainer.train_step` of a real (small) model on the CPU, per phase.
+
+What a count is: bytes of tensor storages, as a caching allocator's `memory_allocated` would see them before its
+rounding (to 512 B blocks on CUDA); not the allocator's slack or fragmentation, the CUDA context, kernels' internal
+workspaces (cuBLAS, flash-attention splits), or host memory. What the fake traces assume and emulate:
+
+* Data-dependent host reads cannot run on fake tensors; they are answered as a full micro-batch would answer them
+  (`_AssumeValid`): every element of a mask is nonzero (`nonzero` returns numel rows: every completion token is
+  scored, the worst case), `all()` is True and `any()` False (fastgrpo's input checks pass, the loss's unshifted
+  sums are in range). Transformers cannot read a fake padding mask, so it builds the [b, 1, L, L] boolean mask and
+  SDPA converts it to an additive one per call, as it does on a GPU for a padded micro-batch (an unpadded one would
+  skip the mask and take the flash kernel with GQA, without the repeated K/V copies that a masked call makes).
+* Fake tensors live on the CPU (a CPU build cannot run a backward on fake CUDA tensors), so device-dependent code
+  takes its CPU branch. SDPA on the CPU dispatches to `_scaled_dot_product_flash_attention_for_cpu`, whose outputs
+  are [b, heads, L, d] and a [b, heads, L] logsumexp, as a GPU's flash / memory-efficient kernels: no [L, L]
+  probabilities. fastgrpo's fused loss takes its CPU branch (chunks of `chunk_tokens(V, cpu)` rows, two reused fp32
+  [chunk, V] buffers, an fp32 copy of the lm_head weight, dZ in fp32); `head="cuda"` instead patches fastgrpo.chunked
+  for the duration of the loss to its CUDA branch (CUDA chunk size, no weight copy, per-chunk fp32 Z and a dZ in the
+  input dtype).
+* AdamW runs with foreach=True (PyTorch's default for CUDA parameters; its per-parameter temporaries exist together).
+  bitsandbytes' AdamW8bit and Linear4bit run as they are (their ops have fake kernels), with two workarounds: the
+  quantization maps (1 KiB real tensors) are built outside fake mode, and a 4-bit layer's weight is a fake uint8
+  parameter carrying a real bitsandbytes QuantState (Params4bit cannot wrap a FakeTensor), made by
+  bitsandbytes.functional.quantize_4bit itself (NF4, blocks of 64, double quantization; each layer holds its own
+  copy of the 1 KiB blockwise map there, where a GPU shares one). The fake kernel of
+  `bitsandbytes::gemm_4bit` shows only its output: for more than 1536 rows bitsandbytes' CUDA kernel dequantizes the
+  weight (and the nested absmax) into temporaries before an F.linear, which `_AssumeValid` allocates the same way.
+* With offload_activations the checkpointed layer inputs that ActivationOffload copies to the host are not counted
+  (the copies made inside its pack hook are host memory on a GPU; on a CPU they are plain clones); the copies back
+  to the device in the backward are.
+"""
+
+import contextlib
+import dataclasses
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakTensorKeyDictionary
+
+aten = torch.ops.aten
+GiB = 2**30
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of live tensor storages, counted at the dispatcher while the mode is active.
+
+    Each storage counts once, by its nbytes, from the op that made it until it is freed (a weakref finalizer on the
+    storage); views and in-place results share a counted storage and add nothing. `base` tensors (a model's
+    parameters and buffers) exist before the mode starts and are counted from the start (`add` counts more later).
+
+        with LiveBytes(model.parameters()) as live:
+            with live.phase("forward"):
+                loss = model(x).sum()
+            with live.phase("backward"):
+                loss.backward()
+        live.base, live.current, live.peak, live.peaks["backward"]
+
+    `peak` is the most bytes live at once since the start; `peaks[name]` the most during `phase(name)` (everything
+    live counts, the base included; phases may nest, and a phase entered again keeps its maximum). Tensors made
+    inside `uncounted()` are not counted, nor views of them (host copies of an offload, say). What is not seen: the
+    temporaries inside one kernel, memory outside tensors, and tensors made before the mode that are not in `base`.
+    """
+
+    def __init__(self, base: Iterable[torch.Tensor] = ()):
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self.peaks: dict[str, int] = {}
+        self._live: dict[int, list[int]] = {}  # storage key -> [nbytes] (the list is the record its finalizer frees)
+        self._ignored: set[int] = set()  # storages made inside uncounted()
+        self._phases: list[str] = []
+        self._uncounted = 0
+        self.add(*base)
+        self.base = self.current
+
+    def add(self, *tensors: torch.Tensor) -> int:
+        """Counts `tensors` (made outside the mode) not counted yet; returns the bytes added."""
+        before = self.current
+        for t in tensors:
+            self._track(t)
+        return self.current - before
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator["LiveBytes"]:
+        self.peaks[name] = max(self.peaks.get(name, 0), self.current)
+        self._phases.append(name)
+        try:
+            yield self
+        finally:
+            self._phases.remove(name)
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        self._uncounted += 1
+        try:
+            yield
+        finally:
+            self._uncounted -= 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, or a wrapper subclass without one storage
+            return
+        key, size = storage._cdata, storage.nbytes()
+        if key in self._ignored:
+            return
+        if self._uncounted:
+            self._ignored.add(key)
+            weakref.finalize(storage, self._ignored.discard, key)
+            return
+        record = self._live.get(key)
+        if record is None:
+            record = self._live[key] = [size]
+            weakref.finalize(storage, self._free, key, record)
+            self.current += size
+        elif record[0] != size:  # resized in place (an out= argument)
+            self.current += size - record[0]
+            record[0] = size
+        else:
+            return
+        if self.current > self.peak:
+            self.peak = self.current
+        for name in self._phases:
+            if self.current > self.peaks[name]:
+                self.peaks[name] = self.current
+
+    def _free(self, key: int, record: list[int]) -> None:
+        if self._live.get(key) is record:
+            del self._live[key]
+            self.current -= record[0]
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages of `tensors`."""
+    sizes = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        sizes[storage._cdata] = storage.nbytes()
+    return sum(sizes.values())
+
+
+# -- fake runs ------------------------------------------------------------------------------------------------------
+
+BNB_CUDA_FUSED_MAX_ROWS = 1536  # bitsandbytes/backends/cuda/ops.py _gemm_4bit_custom_max_m: dequant + F.linear above
+
+
+class _AssumeValid(TorchDispatchMode):
+    """Answers the reads of values that fake tensors do not have, as a full micro-batch would (module docstring), and
+    allocates the temporaries of bitsandbytes' CUDA 4-bit GEMM that its fake kernel does not show. Entered inside
+    LiveBytes (above it on the mode stack), so what it allocates is counted."""
+
+    def __init__(self):
+        super().__init__()
+        self._known = WeakTensorKeyDictionary()  # 0-dim results of all() / any(): their assumed value
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import DataDependentOutputException
+
+        kwargs = kwargs or {}
+        if func is aten.nonzero.default:  # every element nonzero
+            x = args[0]
+            return torch.empty(x.numel(), x.dim(), dtype=torch.long, device=x.device)
+        if func is aten._local_scalar_dense.default:
+            try:
+                return func(*args, **kwargs)  # a constant (a tensor of a Python number) has its value
+            except DataDependentOutputException:
+                if args[0] in self._known:
+                    return self._known[args[0]]
+                raise
+        if func.namespace == "bitsandbytes" and func.__name__ == "gemm_4bit":
+            return self._gemm_4bit(func, *args, **kwargs)
+        out = func(*args, **kwargs)
+        if func.overloadpacket in (aten.all, aten.any) and isinstance(out, torch.Tensor) and out.dim() == 0:
+            self._known[out] = func.overloadpacket is aten.all
+        return out
+
+    @staticmethod
+    def _gemm_4bit(func, A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, absmax_code=None,
+                   absmax_offset=None):
+        if A.numel() // A.shape[-1] <= BNB_CUDA_FUSED_MAX_ROWS:
+            return func(A, B, shapeB, absmax, blocksize, quant_type, bias=bias, absmax_8bit=absmax_8bit,
+                        absmax_code=absmax_code, absmax_offset=absmax_offset)
+        # bitsandbytes' _dequant_linear_fallback: the nested absmax dequantized in fp32 and offset (two temporaries),
+        # the weight dequantized in A's dtype, then F.linear
+        temporaries = []
+        if absmax_8bit is not None:
+            absmax_dq = torch.empty_like(absmax_8bit, dtype=torch.float32)
+            temporaries += [absmax_dq, absmax_dq + absmax_offset]
+        weight = torch.empty(shapeB, dtype=A.dtype, device=A.device)
+        return torch.nn.functional.linear(A, weight, bias)
+
+
+def _fake_mode():
+    """A FakeTensorMode that does not memoize the fake tensors it wraps op outputs in: the memo's weak references
+    to parameters stop `Module.to` (which swaps fake parameters) when peft casts its adapters."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    converter = fake.fake_tensor_converter
+    memo = converter.set_tensor_memo
+
+    def set_tensor_memo(t, v):
+        if t.device.type != "meta":  # real tensors converted to fake keep theirs
+            memo(t, v)
+
+    converter.set_tensor_memo = set_tensor_memo
+    return fake
+
+
+def _bnb_qmaps():
+    """bitsandbytes' 8-bit quantization map, built for real once: its construction reads values (.tolist())."""
+    import bitsandbytes as bnb
+
+    if "dynamic" not in bnb.functional.name2qmap:
+        with _no_fake():
+            bnb.functional.name2qmap["dynamic"] = bnb.functional.create_dynamic_map()
+    return bnb
+
+
+def _load_config(model_config):
+    if isinstance(model_config, (str, Path)):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(model_config))
+    return model_config
+
+
+def _quantize_4bit(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Replaces every nn.Linear but the output head by a bitsandbytes Linear4bit (QLoRA's NF4, blocks of 64, double
+    quantization, computing in `dtype`, as fastgrpo.train.model.four_bit asks transformers for). Inside fake mode;
+    returns the number of layers replaced."""
+    bnb = _bnb_qmaps()
+    head = model.get_output_embeddings()
+    targets = [(name, module) for name, module in model.named_modules()
+               if type(module) is torch.nn.Linear and module is not head]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        with _no_fake():  # its Params4bit on the real meta device
+            layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False, compute_dtype=dtype,
+                                      compress_statistics=True, quant_type="nf4", quant_storage=torch.uint8,
+                                      device="meta")
+        packed, state = bnb.functional.quantize_4bit(linear.weight.detach(), blocksize=64, compress_statistics=True,
+                                                     quant_type="nf4", quant_storage=torch.uint8)
+        weight = torch.nn.Parameter(packed, requires_grad=False)
+        # What Params4bit would hold: bitsandbytes and peft read these attributes.
+        weight.quant_state, weight.quant_type, weight.blocksize = state, "nf4", 64
+        weight.compress_statistics, weight.quant_storage, weight.bnb_quantized = True, torch.uint8, True
+        layer.weight = weight
+        layer.bias = linear.bias
+        layer.quant_state = state
+        layer.support_avx512bf16_for_cpu = False  # no CPU-only repacking of the weight in eval mode (decode)
+        setattr(parent, child, layer)
+    return len(targets)
+
+
+@contextlib.contextmanager
+def _no_fake():
+    """The active fake mode, if any, off for the block."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
+def _quant_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors of bitsandbytes quantization states (not parameters or buffers, but weights all the same)."""
+    out = []
+    for p in model.parameters():
+        state = getattr(p, "quant_state", None)
+        while state is not None:
+            parts = (state.absmax, state.code, getattr(state, "offset", None))
+            out += [t for t in parts if isinstance(t, torch.Tensor)]
+            state = getattr(state, "state2", None)
+    return out
+
+
+def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers(), *_quant_tensors(model)]
+
+
+@dataclasses.dataclass
+class _Built:
+    model: torch.nn.Module  # the peft model with use_peft
+    fake: object  # the FakeTensorMode it lives in
+    offload: object | None
+
+
+def _build(config, dtype, *, use_peft, lora_r, lora_alpha, lora_dropout, load_in_4bit, gradient_checkpointing,
+           offload_activations, attn_implementation, live: LiveBytes | None) -> _Built:
+    """fastgrpo.train.model.load_policy on fake tensors: the model from its config (nothing allocated), 4-bit linears,
+    gradient checkpointing (and offload), use_cache off, then LoRA on all linear layers but the head."""
+    from transformers import AutoModelForCausalLM
+
+    fake = _fake_mode()
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    with fake:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+        if load_in_4bit:
+            _quantize_4bit(model, dtype)
+        offload = None
+        if gradient_checkpointing:
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if offload_activations:
+                from fastgrpo.train.offload import ActivationOffload
+
+                offload = ActivationOffload(torch.device("cpu"))
+                offload.install(model)
+                if live is not None:  # its host copies are not device memory
+                    pack = offload._pack
+
+                    def uncounted_pack(tensor):
+                        with live.uncounted():
+                            return pack(tensor)
+
+                    offload._pack = uncounted_pack
+        elif offload_activations:
+            raise ValueError("offload_activations needs gradient_checkpointing")
+        model.config.use_cache = False
+        if use_peft:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                                                     target_modules="all-linear", task_type="CAUSAL_LM"))
+    return _Built(model, fake, offload)
+
+
+@contextlib.contextmanager
+def _phase_around(owner, name: str, live: LiveBytes, phase: str):
+    """owner.name (a function or method) runs inside live.phase(phase) for the block."""
+    original = getattr(owner, name)
+    own = name in vars(owner) if not isinstance(owner, type) else True
+
+    def wrapped(*args, **kwargs):
+        with live.phase(phase):
+            return original(*args, **kwargs)
+
+    setattr(owner, name, wrapped)
+    try:
+        yield
+    finally:
+        if own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
+
+
+@contextlib.contextmanager
+def _cuda_head():
+    """fastgrpo.chunked's CUDA branch for the fused loss on fake CPU tensors: CUDA chunk size, the weight as is, no
+    preallocated chunk buffers, logits formed in fp32 from the input dtype, dZ in the input dtype."""
+    from fastgrpo import chunked, grpo_head
+
+    cuda_chunk = chunked.chunk_tokens
+
+    def chunk_tokens(V, device):
+        return cuda_chunk(V, torch.device("cuda"))
+
+    def mm_fp32(a, b_t):
+        if a.dtype in (torch.float32, torch.float64):
+            return a @ b_t.T
+        return torch.mm(a, b_t.T, out_dtype=torch.float32)
+
+    init = chunked.HeadGrads.__init__
+
+    def head_grads_init(self, x, *args, **kwargs):
+        init(self, x, *args, **kwargs)
+        self.gemm_dtype = x.dtype
+
+    def buffers_init(self, x, V, chunk):
+        self.z = self.scratch = None
+
+    patches = [(chunked, "chunk_tokens", chunk_tokens), (grpo_head, "chunk_tokens", chunk_tokens),
+               (chunked, "gemm_weight", lambda x, weight: weight), (chunked, "mm_fp32", mm_fp32),
+               (chunked.HeadGrads, "__init__", head_grads_init), (chunked.ChunkBuffers, "__init__", buffers_init)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def _lora_defaults() -> dict:
+    from fastgrpo.train.config import TrainConfig
+
+    fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    return {name: fields[name] for name in ("lora_alpha", "lora_dropout", "learning_rate", "weight_decay",
+                                            "adam_beta1", "adam_beta2", "max_grad_norm")}
+
+
+def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro_batch: int = 8,
+                     prompt_length: int = 256, completion_length: int = 1024, use_peft: bool = True, lora_r: int = 16,
+                     lora_alpha: int | None = None, lora_dropout: float | None = None, load_in_4bit: bool = False,
+                     optim: str = "adamw_torch", offload_activations: bool = False, beta: float = 0.0,
+                     gradient_checkpointing: bool = True, attn_implementation: str | None = None,
+                     loss_type: str = "dapo", head: str = "cpu") -> dict:
+    """One training micro-batch of fastgrpo's trainer at real shapes on fake CPU tensors: bytes by phase.
+
+    `model_config`: a transformers config or a folder with a config.json. The model is built as load_policy builds
+    it (4-bit linears, gradient checkpointing, offload, LoRA r / alpha / dropout on all linear layers but the head;
+    alpha and dropout default to TrainConfig's); the micro-batch is `micro_batch` sequences of `prompt_length` +
+    `completion_length` tokens, every completion token scored; then the trainer's update: PolicyLoss forward (the
+    fused loss, `loss_type`, with ref logprobs when beta > 0), backward, clip_grad_norm_, the optimizer step
+    (AdamW with foreach=True, or bitsandbytes' AdamW8bit for optim="adamw_8bit") and zero_grad. The optimizer's
+    states are made by a step before the trace (a steady-state step: they are live throughout).
+
+    Returns bytes (but "chunk_tokens", a count of tokens, and "seconds"):
+        weights           parameters, buffers and 4-bit quantization states
+        trainable         the parameters that train (in weights)
+        optimizer_states  AdamW's states after a step
+        forward           peak during the micro-batch's forward (PolicyLoss: backbone and fused loss)
+        loss              peak during the fused loss (its gradient is computed in its forward)
+        saved             live after the forward, less before: what the backward will read (checkpointed inputs,
+                          the loss's saved gradients)
+        backward          peak during the backward
+        gradients         the gradients after the backward
+        optimizer         peak during clip_grad_norm_, the optimizer step and zero_grad
+        train             peak over all of the above (the step's peak)
+        chunk_tokens      rows per chunk of the fused loss (fastgrpo.chunked.chunk_tokens of the device `head`
+                          emulates: "cpu", or "cuda" for the CUDA branch, see the module docstring)
+    """
+    import fastgrpo.grpo_head
+    from fastgrpo import chunked
+    from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES, LossConfig
+    from fastgrpo.train.model import PLAIN_HEAD, PolicyLoss
+    from fastgrpo.train.rollout import MicroBatch
+
+    if head not in ("cpu", "cuda"):
+        raise ValueError(f"head must be 'cpu' or 'cuda', got {head!r}")
+    start = time.perf_counter()
+    defaults = _lora_defaults()
+    config = _load_config(model_config)
+    live = LiveBytes()
+    built = _build(config, dtype, use_peft=use_peft, lora_r=lora_r,
+                   lora_alpha=defaults["lora_alpha"] if lora_alpha is None else lora_alpha,
+                   lora_dropout=defaults["lora_dropout"] if lora_dropout is None else lora_dropout,
+                   load_in_4bit=load_in_4bit, gradient_checkpointing=gradient_checkpointing,
+                   offload_activations=offload_activations, attn_implementation=attn_implementation, live=live)
+    model, fake = built.model, built.fake
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    options = dict(lr=defaults["learning_rate"], weight_decay=defaults["weight_decay"],
+                   betas=(defaults["adam_beta1"], defaults["adam_beta2"]))
+    if optim == "adamw_8bit":
+        optimizer = _bnb_qmaps().optim.AdamW8bit(parameters, **options)  # builds its maps: outside fake mode
+    elif optim == "adamw_torch":
+        optimizer = torch.optim.AdamW(parameters, foreach=True, **options)
+    else:
+        raise ValueError(f"optim must be 'adamw_torch' or 'adamw_8bit', got {optim!r}")
+    b, P, T = micro_batch, prompt_length, completion_length
+    policy = PolicyLoss(model, packed=False, head=dict(PLAIN_HEAD))
+    loss_options = LossConfig(loss_type=loss_type, beta=beta, max_completion_length=T, **PLAIN_HEAD)
+    num_items = float(b * T) if loss_type in TOKEN_NORMALISED_LOSS_TYPES else None
+    result = {}
+    with fake:
+        for p in parameters:  # the states of a steady-state step
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        states = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        live.add(*_weights(model))
+        result["weights"] = live.current
+        result["trainable"] = storage_bytes(parameters)
+        result["optimizer_states"] = live.add(*states)
+        live.base = live.current
+        model.train()
+        V = model.get_output_embeddings().weight.shape[0]
+        with live, _AssumeValid(), live.phase("train"), _phase_around(fastgrpo.grpo_head, "grpo_head_loss", live,
+                                                                      "loss"):
+            with contextlib.ExitStack() as stack:  # the trainer's micro_batch: made on the device
+                mb = MicroBatch(
+                    index=list(range(b)), completion_ids=torch.zeros(b, T, dtype=torch.long),
+                    mask=torch.ones(b, T), advantages=torch.zeros(b), sequences=[[0] * (P + T)] * b,
+                    prompt_lengths=[P] * b, old_logps=None, ref_logps=torch.zeros(b, T) if beta else None,
+                    importance_weights=None,
+                )  # fmt: skip
+                if head == "cuda":
+                    stack.enter_context(_cuda_head())
+                before = live.current
+                with live.phase("forward"):
+                    loss, metrics = policy(mb, loss_options, num_items)
+                result["saved"] = live.current - before
+                with live.phase("backward"):
+                    (loss * 1.0).backward()
+            result["gradients"] = storage_bytes(p.grad for p in parameters if p.grad is not None)
+            del loss, metrics, mb
+            with live.phase("optimizer"):
+                torch.nn.utils.clip_grad_norm_(parameters, defaults["max_grad_norm"])
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        result.update({name: live.peaks[name] for name in ("forward", "loss", "backward", "optimizer", "train")})
+    result["chunk_tokens"] = chunked.chunk_tokens(V, torch.device(head))
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def trace_decode_step(model_config, *, dtype: torch.dtype = torch.bfloat16, num_sequences: int = 64,
+                      context_length: int = 1280, load_in_4bit: bool = False, use_peft: bool = False,
+                      lora_r: int = 16, block_size: int = 16, attention: str = "triton", params=None) -> dict:
+    """One decode step of fastgrpo's engine at real shapes on fake CPU tensors: bytes by phase.
+
+    The engine itself runs (fastgrpo.sampling.engine.Engine._eager_forward and the sampler), not its scheduler: a
+    paged KV pool holding `num_sequences` x `context_length` tokens (whole pages of `block_size`), a DecodeBatch of
+    `num_sequences` rows whose contexts end at `context_length` (this step's token included), one forward of their
+    new tokens through the model (the policy as load_policy builds it, in eval mode without autograd; LoRA adapters
+    with use_peft) into [num_sequences, V] logits, then `sample` on their fp32 copy with `params` (default
+    SamplingParams(): temperature 1, no top-k / top-p).
+
+    `attention`: "triton" replaces the CPU's torch backend (which gathers each sequence's pages into a padded
+    [S, context, kv_heads, d] copy per layer) with what the CUDA triton backend allocates: its [S, heads, d] output
+    only; "torch" keeps the CPU backend.
+
+    Returns bytes (but "seconds"):
+        weights      parameters, buffers and 4-bit quantization states
+        kv_cache     the pool: 2 x layers x pages x block_size x kv_heads x head_dim x dtype bytes (exactly 2 x
+                     layers x num_sequences x context_length x ... when context_length is a multiple of block_size)
+        kv_scratch   the page the engine allocates past its pool for CUDA graphs' padding rows (not in the trace)
+        decode       peak during the step: the forward and the sampler, the pool and weights included
+        forward      peak during the forward alone
+    """
+    from fastgrpo.sampling import attention as paged
+    from fastgrpo.sampling.batch import DecodeBatch
+    from fastgrpo.sampling.block_pool import blocks_for
+    from fastgrpo.sampling.engine import Engine
+    from fastgrpo.sampling.params import SamplingParams
+    from fastgrpo.sampling.sampler import sample
+
+    if attention not in ("triton", "torch"):
+        raise ValueError(f"attention must be 'triton' or 'torch', got {attention!r}")
+    start = time.perf_counter()
+    config = _load_config(model_config)
+    built = _build(config, dtype, use_peft=use_peft, lora_r=lora_r, lora_alpha=_lora_defaults()["lora_alpha"],
+                   lora_dropout=_lora_defaults()["lora_dropout"], load_in_4bit=load_in_4bit,
+                   gradient_checkpointing=False, offload_activations=False, attn_implementation=None, live=None)
+    model, fake = built.model, built.fake
+    params = SamplingParams() if params is None else params
+    S, pages = num_sequences, blocks_for(context_length, block_size)
+    result = {}
+    with fake:
+        engine = Engine(model, block_size=block_size, attention="torch")
+        live = LiveBytes(_weights(model))
+        result["weights"] = live.base
+        itemsize = torch.empty((), dtype=engine.dtype).element_size()
+        page_bytes = 2 * engine.num_layers * block_size * engine.num_kv_heads * engine.head_dim * itemsize
+        original = paged.BACKENDS["torch"]
+        if attention == "triton":
+            paged.BACKENDS["torch"] = lambda query, k_cache, v_cache, batch, scale: torch.empty_like(query)
+        try:
+            with live, _AssumeValid():
+                with live.phase("kv_cache"):
+                    kv_cache = torch.zeros(engine.num_layers, 2, S * pages, block_size, engine.num_kv_heads,
+                                           engine.head_dim, dtype=engine.dtype)
+                result["kv_cache"] = live.current - live.base
+                batch = DecodeBatch(S, pages, block_size, engine.device)
+                batch.seqs = [None] * S  # rows only: the step reads their host mirrors
+                batch.context_h[:S] = context_length - 1
+                batch.pages_h[:S] = pages
+                u = torch.empty(S, dtype=torch.float64)  # each row's uniform (Outputs.uniforms)
+                with live.phase("decode"), engine._sampling_mode():
+                    rows = batch.inputs()
+                    with live.phase("forward"):
+                        logits = engine._eager_forward(rows, batch.max_context(), None, kv_cache)
+                    tokens, logprobs = sample(logits.float(), params, None if params.greedy else u)
+                    del logits
+        finally:
+            paged.BACKENDS["torch"] = original
+    result["kv_scratch"] = page_bytes
+    result.update({name: live.peaks[name] for name in ("decode", "forward")})
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def measure_trainer_step(trainer) -> dict:
+    """One `trainer.train_step()` of a real fastgrpo Trainer (on a CPU: every tensor is "device" memory) under
+    LiveBytes, with its phases: "sampling" (trainer._generate: the engine's generate), "logprobs"
+    (trainer._logprobs: reference and old logprobs; None when the step computes none) and "train"
+    (trainer._update). Returns bytes:
+
+        base        the policy's (and reference's) parameters and buffers and the optimizer's states at the start
+        sampling, logprobs, train   the phases' peaks (everything live counted, base included)
+        kv_pool     the engine's KV pool of that step (its num_blocks + 1 pages: it is sized from free memory on a
+                    CPU too, capped at what the call can use), in the sampling peak: compare a plan net of it
+        step        the peak over the whole step
+    """
+    models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
+    states = [t for state in trainer.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    live = LiveBytes([t for m in models for t in _weights(m)] + states)
+    with (_phase_around(trainer, "_generate", live, "sampling"), _phase_around(trainer, "_logprobs", live, "logprobs"),
+          _phase_around(trainer, "_update", live, "train"), live, live.phase("step")):
+        trainer.train_step()
+    engine = trainer.engine
+    itemsize = torch.empty((), dtype=engine.dtype).element_size()
+    pool = (engine.num_layers * 2 * (engine.stats.num_blocks + 1) * engine.config.block_size * engine.num_kv_heads
+            * engine.head_dim * itemsize)
+    return {"base": live.base, **{name: live.peaks.get(name) for name in ("sampling", "logprobs", "train")},
+            "kv_pool": pool, "step": live.peaks["step"]}
+
+
+def gib(result: dict) -> dict:
+    """A result's byte counts in GiB (other entries as they are), for printing."""
+    return {k: round(v / GiB, 3) if isinstance(v, int) and k != "chunk_tokens" else v for k, v in result.items()}

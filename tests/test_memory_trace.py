@@ -1,0 +1,184 @@
+"""fastgrpo.memory_trace: live-tensor byte counts, fake-tensor traces of a micro-batch and a decode step, and the
+per-phase peaks of a real Trainer's step."""
+
+import gc
+
+import pytest
+import torch
+from test_train import assets, make_config  # noqa: F401 - assets is a fixture
+from transformers import Qwen2Config
+
+from fastgrpo.memory_trace import LiveBytes, storage_bytes, trace_decode_step, trace_train_step
+from fastgrpo.train import Trainer
+
+F32 = 4
+
+
+def tiny_config(**overrides) -> Qwen2Config:
+    values = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    return Qwen2Config(**{**values, **overrides})
+
+
+SHAPE = dict(micro_batch=2, prompt_length=8, completion_length=24)
+LONG = dict(micro_batch=4, prompt_length=16, completion_length=112)  # activations over the optimizer step's peak
+
+
+# -- LiveBytes -------------------------------------------------------------------------------------------------------
+
+
+def test_live_bytes_counts_storages_once_and_frees_them():
+    base = torch.zeros(10)
+    with LiveBytes([base, base[2:]]) as live:
+        assert live.base == live.current == 10 * F32  # a view of a base tensor adds nothing
+        with live.phase("alloc"):
+            a = torch.empty(100)
+            b = torch.empty(50, dtype=torch.float64)
+            views = (a[10:], a.view(10, 10), a.unsqueeze(0))
+            assert live.current == (10 + 100) * F32 + 50 * 8
+            a.add_(1)  # in place: the same storage
+            assert live.current == (10 + 100) * F32 + 50 * 8
+            del a
+            assert live.current == (10 + 100) * F32 + 50 * 8  # its views keep the storage
+            del views
+            assert live.current == 10 * F32 + 50 * 8
+        with live.phase("later"):
+            c = torch.empty(20)
+        del b
+        assert live.current == (10 + 20) * F32
+    assert live.peaks["alloc"] == live.peak == (10 + 100) * F32 + 50 * 8
+    assert live.peaks["later"] == 10 * F32 + 50 * 8 + 20 * F32  # what was live when the phase began counts
+    del c
+    assert live.current == 10 * F32  # frees are still seen once the mode is off
+
+
+def test_live_bytes_on_fake_tensors_and_uncounted():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), LiveBytes() as live:
+        a = torch.empty(1 << 20, 1 << 10, dtype=torch.bfloat16)  # 2 GiB: nothing allocated
+        assert live.current == 2 * 2**30
+        with live.uncounted():
+            host = a.clone()
+        host.add_(1)
+        view = host[1:]
+        assert live.current == 2 * 2**30  # the uncounted copy and its views stay out
+        back = host.clone()
+        assert live.current == 4 * 2**30
+        del a, back, host, view
+        assert live.current == 0
+    assert live.peak == 4 * 2**30
+
+
+def test_live_bytes_autograd():
+    x = torch.ones(1000, requires_grad=True)
+    with LiveBytes([x]) as live:
+        with live.phase("forward"):
+            y = (x * 2).exp()  # saves its output; x * 2 is freed after exp
+            loss = y.sum()
+        with live.phase("backward"):
+            loss.backward()
+        grad = storage_bytes([x.grad])
+    assert grad == 1000 * F32
+    assert live.peaks["forward"] == 3 * 1000 * F32  # x, x * 2 and y (x * 2 is gone when the sum is made)
+    assert live.peaks["backward"] >= 3 * 1000 * F32  # x, y and the gradient at least
+
+
+# -- trace_train_step ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def traces() -> dict:
+    config = tiny_config()
+    runs = {"ckpt": {}, "no_ckpt": dict(gradient_checkpointing=False), "offload": dict(offload_activations=True),
+            "full": dict(use_peft=False, **LONG),
+            "full_offload": dict(use_peft=False, offload_activations=True, **LONG)}
+    return {name: trace_train_step(config, dtype=torch.bfloat16, **{**SHAPE, **extra}) for name, extra in runs.items()}
+
+
+def test_trace_train_step_phases(traces):
+    run = traces["ckpt"]
+    assert run["train"] == max(run[k] for k in ("forward", "backward", "optimizer"))
+    assert run["train"] > run["weights"] + run["optimizer_states"]
+    assert 0 < run["trainable"] < run["weights"]
+    assert run["gradients"] == run["trainable"]  # LoRA: a gradient for every trainable parameter
+    assert run["optimizer_states"] >= 2 * run["trainable"]  # AdamW's two moments (fp32 adapters)
+    assert run["chunk_tokens"] >= 256
+    full = traces["full"]
+    assert 0 < full["weights"] - full["trainable"] <= 1024  # all but the rotary buffers
+
+
+def test_trace_train_step_checkpointing_lowers_the_peak(traces):
+    on, off = traces["ckpt"], traces["no_ckpt"]
+    assert on["weights"] == off["weights"]
+    assert on["saved"] < off["saved"]
+    assert on["train"] < off["train"]
+
+
+def test_trace_train_step_offload(traces):
+    """Offloading keeps one [tokens, hidden] bf16 input per layer, all but the last, off the device. With LoRA the
+    first layer's input stays: peft makes the embeddings' output a leaf that requires grad, which autograd holds."""
+    config = tiny_config()
+    per_layer = lambda shape: shape["micro_batch"] * (shape["prompt_length"] + shape["completion_length"]) * (
+        config.hidden_size * 2)
+    full, offloaded = traces["full"], traces["full_offload"]
+    assert full["saved"] - offloaded["saved"] == (config.num_hidden_layers - 1) * per_layer(LONG)
+    assert full["train"] - offloaded["train"] == pytest.approx((config.num_hidden_layers - 1) * per_layer(LONG),
+                                                               abs=per_layer(LONG) // 2)
+    lora, lora_offloaded = traces["ckpt"], traces["offload"]
+    assert lora["saved"] - lora_offloaded["saved"] == (config.num_hidden_layers - 2) * per_layer(SHAPE)
+
+
+def test_trace_train_step_4bit_and_8bit_optimizer():
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    config = tiny_config(hidden_size=128, intermediate_size=256)
+    plain = trace_train_step(config, **SHAPE)
+    quantized = trace_train_step(config, **SHAPE, load_in_4bit=True, optim="adamw_8bit")
+    H, inter, L = 128, 256, 3
+    kv = 2 * 32  # kv_heads x head_dim
+    linear = H * H + 2 * H * kv + H * H + 3 * H * inter  # q, k, v, o, gate, up, down weights per layer
+    # bf16 weights (2 B) become 4-bit (0.5 B) with a uint8 absmax per 64 and an fp32 absmax per 256 * 64; each of
+    # the 7 L layers also holds an NF4 code (64 B), an offset and (as traced) its copy of the 1 KiB blockwise map
+    saved = L * linear * (2 - 0.5 - 1 / 64)
+    assert saved - 7 * L * 1200 <= plain["weights"] - quantized["weights"] <= saved
+    assert quantized["trainable"] == plain["trainable"]
+    assert quantized["train"] < plain["train"]
+
+
+# -- trace_decode_step -----------------------------------------------------------------------------------------------
+
+
+def test_trace_decode_step_kv_cache_exact():
+    config = tiny_config()
+    seqs, ctx = 6, 64  # ctx: whole pages of 16
+    run = trace_decode_step(config, dtype=torch.bfloat16, num_sequences=seqs, context_length=ctx)
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert run["kv_cache"] == 2 * config.num_hidden_layers * seqs * ctx * config.num_key_value_heads * head_dim * 2
+    assert run["decode"] >= run["forward"] > run["weights"] + run["kv_cache"]
+    assert run["decode"] >= run["weights"] + run["kv_cache"] + seqs * config.vocab_size * (4 + 8)  # fp32 + fp64 cdf
+    # the CPU's torch backend gathers each sequence's pages into a copy per layer: more than the triton one allocates
+    cpu = trace_decode_step(config, num_sequences=seqs, context_length=ctx, attention="torch")
+    assert cpu["forward"] > run["forward"]
+
+
+# -- measure_trainer_step --------------------------------------------------------------------------------------------
+
+
+def test_measure_trainer_step(assets, tmp_path):  # noqa: F811
+    from fastgrpo.memory_trace import measure_trainer_step
+
+    trainer = Trainer(make_config(assets, tmp_path, beta=0.04, max_steps=1))  # beta: reference logprobs
+    try:
+        result = measure_trainer_step(trainer)
+    finally:
+        trainer.folder.release()
+    weights = storage_bytes([*trainer.model.parameters(), *trainer.ref_model.parameters()])
+    assert result["base"] >= weights
+    for phase in ("sampling", "logprobs", "train"):
+        assert isinstance(result[phase], int) and result[phase] > result["base"], phase
+    assert result["sampling"] >= result["base"] + result["kv_pool"]  # the pool is live while sampling
+    assert result["step"] >= max(result["sampling"], result["logprobs"], result["train"])
+    assert result["train"] > result["logprobs"]  # gradients and AdamW's states on top of a forward
+    del trainer
+    gc.collect()

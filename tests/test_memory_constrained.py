@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from test_train import assert_same_metrics, assets, make_config  # noqa: F401 - assets is a fixture
+from test_train import assert_same_metrics, assets, killed_then_resumed, make_config  # noqa: F401
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from fastgrpo.cli import main
@@ -74,22 +74,8 @@ def test_offload_activations_trains_like_plain_checkpointing(assets, tmp_path): 
 
 
 def resumed_equals_unbroken(assets, tmp_path, monkeypatch, **settings):  # noqa: F811
-    """Runs 4 steps unbroken, and killed after its step-2 checkpoint then resumed: same metrics and weights."""
-    settings = dict(max_steps=4, save_steps=2, **settings)
-    Trainer(make_config(assets, tmp_path / "a", **settings)).train()
-    original_step = Trainer.train_step
-
-    def killed_at_step_3(self):
-        if self.step == 3:
-            raise KeyboardInterrupt
-        return original_step(self)
-
-    monkeypatch.setattr(Trainer, "train_step", killed_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        Trainer(make_config(assets, tmp_path / "b", **settings)).train()
-    monkeypatch.setattr(Trainer, "train_step", original_step)
-    resumed = Trainer(make_config(assets, tmp_path / "b", resume=True, **settings))
-    resumed.train()
+    """4 steps unbroken, and killed after the step-2 checkpoint then resumed: the same metrics."""
+    resumed = killed_then_resumed(assets, tmp_path, monkeypatch, max_steps=4, save_steps=2, **settings)
     assert_same_metrics(read_metrics(tmp_path / "a" / "run"), read_metrics(tmp_path / "b" / "run"))
     return resumed
 

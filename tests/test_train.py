@@ -228,11 +228,10 @@ def test_run_writes_config_metrics_checkpoints_and_plot(assets, tmp_path, capsys
     assert "held-out accuracy" in capsys.readouterr().out
 
 
-def test_resume_equals_uninterrupted(assets, tmp_path, monkeypatch):
-    """A run killed after its step-2 checkpoint and resumed gives the metrics and weights of an unbroken run."""
-    settings = dict(max_steps=5, save_steps=2, num_iterations=2, beta=0.05)
+def killed_then_resumed(assets, tmp_path, monkeypatch, **settings) -> Trainer:
+    """The run of `settings` (save_steps 2) unbroken in a/, and in b/ killed in step 3 (its step-2 checkpoint
+    written) then resumed; returns the resumed Trainer, done."""
     Trainer(make_config(assets, tmp_path / "a", **settings)).train()
-
     original_step = Trainer.train_step
 
     def killed_at_step_3(self):
@@ -245,8 +244,14 @@ def test_resume_equals_uninterrupted(assets, tmp_path, monkeypatch):
         Trainer(make_config(assets, tmp_path / "b", **settings)).train()
     monkeypatch.setattr(Trainer, "train_step", original_step)
     assert [p.name for p in checkpoint.checkpoints(tmp_path / "b" / "run")] == ["checkpoint-2"]
-    Trainer(make_config(assets, tmp_path / "b", resume=True, **settings)).train()
+    resumed = Trainer(make_config(assets, tmp_path / "b", resume=True, **settings))
+    resumed.train()
+    return resumed
 
+
+def test_resume_equals_uninterrupted(assets, tmp_path, monkeypatch):
+    """A run killed after its step-2 checkpoint and resumed gives the metrics and weights of an unbroken run."""
+    killed_then_resumed(assets, tmp_path, monkeypatch, max_steps=5, save_steps=2, num_iterations=2, beta=0.05)
     assert_same_metrics(read_metrics(tmp_path / "a" / "run"), read_metrics(tmp_path / "b" / "run"))
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "run" / "checkpoint-5").state_dict()
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "run" / "checkpoint-5").state_dict()

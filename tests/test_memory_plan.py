@@ -7,8 +7,9 @@ from test_train import assets, make_config  # noqa: F401 - assets is a fixture
 
 from fastgrpo.cli import main
 from fastgrpo.train import Trainer
+from fastgrpo.train.data import load_rows, prepare
 from fastgrpo.train.logs import read_metrics
-from fastgrpo.train.model import model_config
+from fastgrpo.train.model import load_tokenizer, model_config
 from fastgrpo.train.plan import RESERVE_BYTES, RESERVE_FRACTION, GiB, model_shapes, plan_memory
 
 MODELS = Path(__file__).parent.parent / "benchmarks" / "models"
@@ -84,7 +85,9 @@ def test_auto_fit_picks_a_smaller_micro_batch_and_the_update_stays(assets, tmp_p
                     steps_per_generation=2, eval_num_samples=1)
     config = make_config(assets, tmp_path / "a", **settings)
     shapes = model_shapes(model_config(config))
-    peaks = {mb: plan_memory(config, shapes=shapes, device_type="cpu", micro_batch=mb).peak() for mb in (4, 8)}
+    longest = max(map(len, prepare(load_rows(config, "train"), load_tokenizer(config), config, "train").token_ids))
+    peaks = {mb: plan_memory(config, shapes=shapes, device_type="cpu", micro_batch=mb, prompt_length=longest).peak()
+             for mb in (4, 8)}
     assert peaks[4] < peaks[8]
     gpu = ((peaks[4] + peaks[8]) / 2 + RESERVE_BYTES) / (1 - RESERVE_FRACTION)
     assert gpu < GiB  # a tiny model's plan: well under a GiB on top of the reserve

@@ -11,7 +11,8 @@ Phases (bytes of live tensors; the CUDA context and allocator slack are the `RES
     logprobs   weights + trainable state + a no-grad micro-batch forward + the loss's no-grad chunk
     train      weights + trainable state + gradients + one micro-batch's checkpointed layer inputs, the recompute of
                one layer in the backward and the fused loss's chunk and gradients, + the optimizer step's states
-Sequences are planned at their longest (max_prompt_length + max_completion_length): a micro-batch pads to it.
+Sequences are planned at their longest, as a micro-batch pads to its longest: the training data's longest prompt
+(`fastgrpo train`) or max_prompt_length (`fastgrpo plan`, which reads no data), plus max_completion_length.
 """
 
 import math
@@ -159,8 +160,10 @@ def layer_forward_per_token(s: Shapes, config: TrainConfig, b: int, training: bo
 
 
 def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "cuda", micro_batch: int | None = None,
-                kv_blocks: int | None = None, chunk_tokens: int | None = None, shapes: Shapes | None = None) -> Plan:
-    """The plan of `config` (its model's config read from model_name_or_path unless given)."""
+                kv_blocks: int | None = None, chunk_tokens: int | None = None, shapes: Shapes | None = None,
+                prompt_length: int | None = None) -> Plan:
+    """The plan of `config` (its model's config read from model_name_or_path unless given), for prompts of
+    `prompt_length` tokens (default max_prompt_length, or 512 without one)."""
     if shapes is None:
         if model_config is None:
             from fastgrpo.train.model import model_config as read_model_config
@@ -169,7 +172,7 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
         shapes = model_shapes(model_config)
     s, b = shapes, dtype_bytes(config, device_type)
     mb = micro_batch or config.per_device_train_batch_size
-    prompt = config.max_prompt_length or 512
+    prompt = prompt_length or config.max_prompt_length or 512
     T = prompt + config.max_completion_length
     tokens = mb * T
     chunk = min(loss_chunk(s, config, device_type, chunk_tokens), mb * config.max_completion_length)
@@ -245,7 +248,8 @@ def sampler_bytes(s: Shapes, rows: int) -> int:
     return rows * s.vocab * SAMPLER_BYTES_PER_LOGIT
 
 
-def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: str = "cuda") -> Plan:
+def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: str = "cuda",
+             prompt_length: int | None = None) -> Plan:
     """The plan with the largest micro-batch that fits (a divisor of the samples per optimizer step, so the update
     is the same), then the KV pool (all of a round's pages if they fit, else as many as fit) and a smaller loss chunk
     if that is what it takes. ValueError, naming what would fit, when even micro-batch 1 does not."""
@@ -253,7 +257,8 @@ def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: s
     limit = usable(gpu_bytes)
     for mb in sorted((d for d in range(1, step + 1) if step % d == 0), reverse=True):
         for chunk in (None, 4096, 1024, 256):
-            plan = plan_memory(config, device_type=device_type, micro_batch=mb, chunk_tokens=chunk, shapes=shapes)
+            plan = plan_memory(config, device_type=device_type, micro_batch=mb, chunk_tokens=chunk, shapes=shapes,
+                               prompt_length=prompt_length)
             if max(plan.peak(p) for p in plan.phases if p != "sampling") > limit:
                 continue
             over = plan.peak("sampling") - limit
@@ -264,7 +269,7 @@ def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: s
                 if blocks < group:
                     continue
                 plan = plan_memory(config, device_type=device_type, micro_batch=mb, chunk_tokens=chunk,
-                                   kv_blocks=blocks, shapes=shapes)
+                                   kv_blocks=blocks, shapes=shapes, prompt_length=prompt_length)
             return plan
     smallest = plan_memory(config, device_type=device_type, micro_batch=1, chunk_tokens=256, shapes=shapes)
     raise ValueError(

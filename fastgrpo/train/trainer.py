@@ -175,8 +175,9 @@ class Trainer:
         return resume_from, replaced
 
     def _plan_memory(self) -> None:
-        """The memory plan of this run (fastgrpo.train.plan) for gpu_memory (or the GPU's own), in self.plan_text;
-        with auto_fit the config takes the settings it picks. A run the plan says does not fit gets a warning."""
+        """The memory plan of this run (fastgrpo.train.plan) for gpu_memory (or the GPU's own), with the training
+        data's longest prompt, in self.plan_text; with auto_fit the config takes the settings it picks. A run the plan
+        says does not fit gets a warning."""
         config = self.config
         gpu = None
         if config.gpu_memory is not None:
@@ -186,8 +187,9 @@ class Trainer:
         if config.auto_fit and gpu is None:
             raise ValueError("auto_fit: give gpu_memory (e.g. --gpu-memory 24GiB); a CPU has no device memory to fit")
         shapes = model_shapes(model_config(config))
+        longest = max(map(len, self.train_prompts.token_ids))
         if config.auto_fit:
-            plan = auto_fit(config, gpu, shapes, self.device.type)
+            plan = auto_fit(config, gpu, shapes, self.device.type, prompt_length=longest)
             mb, step = plan.settings["per_device_train_batch_size"], plan.settings["samples_per_step"]
             self.config = config = dataclasses.replace(
                 config, per_device_train_batch_size=mb, gradient_accumulation_steps=step // mb,
@@ -195,7 +197,7 @@ class Trainer:
                 kv_cache_blocks=plan.settings["kv_blocks"] if plan.settings["kv_pages_cut"] else config.kv_cache_blocks,
                 loss_chunk_tokens=plan.settings["chunk_override"] or config.loss_chunk_tokens)
         else:
-            plan = plan_memory(config, shapes=shapes, device_type=self.device.type)
+            plan = plan_memory(config, shapes=shapes, device_type=self.device.type, prompt_length=longest)
         self.plan_text = format_plan(plan, gpu)
         if gpu is not None and self.world.is_main:
             print(f"fastgrpo train: memory plan: peak {plan.peak() / GiB:.1f} GiB ({describe_peak(plan)}) of "
@@ -209,7 +211,6 @@ class Trainer:
         """Tokenizer, prompts, rewards, policy (a checkpoint's weights on resume), reference, engine, the policy
         sharded or replicated over the processes, optimizer and schedule, and on resume the optimizer, schedule, RNG
         and data position."""
-        self._plan_memory()
         config = self.config
         torch.manual_seed(config.seed)  # LoRA's initial weights (the same on every rank)
         self.tokenizer = load_tokenizer(config)
@@ -219,6 +220,8 @@ class Trainer:
         eval_rows = load_rows(config, "test") if answers is not None else None  # pass@1 needs reference answers
         self.eval_prompts = None if eval_rows is None else eval_subset(
             prepare(eval_rows, self.tokenizer, config, "held-out", answers), config.eval_num_samples)
+        self._plan_memory()  # before anything that depends on the micro-batch, which --auto-fit may change
+        config = self.config
         self.rewards = Rewards(config.reward_funcs, config.reward_weights, config.max_completion_length, answers,
                                self.device, train_dtype(config, self.device), config.trust_remote_code,
                                config.chat_template_kwargs)

@@ -173,23 +173,13 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
         config = resolve_config(args)
         gpu = memory.parse_size(config.gpu_memory) if config.gpu_memory is not None else None
-        if config.auto_fit and gpu is None:
-            raise ValueError("auto_fit: give gpu_memory (e.g. --gpu-memory 24GiB)")
-        shapes = memory.model_shapes(model_config(config))
-        plan = (memory.auto_fit(config, gpu, shapes, device) if config.auto_fit
-                else memory.plan_memory(config, shapes=shapes, device_type=device))
+        plan = memory.plan_run(config, memory.model_shapes(model_config(config)), device, gpu)
     except (ValueError, TypeError, OSError) as e:
         parser.exit(2, f"fastgrpo plan: error: {e}\n")
     print(memory.format_plan(plan, gpu))
     if config.auto_fit:
-        mb, step = plan.settings["per_device_train_batch_size"], plan.settings["samples_per_step"]
-        picks = [f"--per-device-train-batch-size {mb}", f"--gradient-accumulation-steps {step // mb}",
-                 f"--steps-per-generation {config.generation_batch_size // mb}"]
-        if plan.settings["kv_pages_cut"]:
-            picks.append(f"--kv-cache-blocks {plan.settings['kv_blocks']}")
-        if plan.settings["chunk_override"]:
-            picks.append(f"--loss-chunk-tokens {plan.settings['chunk_override']}")
-        print("--auto-fit picks: " + " ".join(picks))
+        picks = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in memory.fitted(config, plan).items())
+        print("--auto-fit picks: " + picks)
     if gpu is not None and not plan.fits(gpu):
         parser.exit(1, f"fastgrpo plan: does not fit; {memory.suggestions(config)}, or --auto-fit\n")
 

@@ -278,6 +278,30 @@ def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: s
         + alternatives(config, shapes, device_type, gpu_bytes))
 
 
+def plan_run(config: TrainConfig, shapes: Shapes, device_type: str, gpu_bytes: int | None,
+             prompt_length: int | None = None) -> Plan:
+    """The plan `fastgrpo train` and `fastgrpo plan` act on: auto_fit's with config.auto_fit (which needs
+    gpu_bytes), else the plan of the config as it is."""
+    if not config.auto_fit:
+        return plan_memory(config, shapes=shapes, device_type=device_type, prompt_length=prompt_length)
+    if gpu_bytes is None:
+        raise ValueError("auto_fit: give gpu_memory (e.g. --gpu-memory 24GiB), the device memory to fit")
+    return auto_fit(config, gpu_bytes, shapes, device_type, prompt_length=prompt_length)
+
+
+def fitted(config: TrainConfig, plan: Plan) -> dict:
+    """The options an auto_fit plan sets: the micro-batch (accumulation and steps per generation scaled to keep the
+    samples per optimizer step and per round), and the KV pages and loss chunk where it cut them."""
+    mb, step = plan.settings["per_device_train_batch_size"], plan.settings["samples_per_step"]
+    changes = {"per_device_train_batch_size": mb, "gradient_accumulation_steps": step // mb,
+               "steps_per_generation": config.generation_batch_size // mb}
+    if plan.settings["kv_pages_cut"]:
+        changes["kv_cache_blocks"] = plan.settings["kv_blocks"]
+    if plan.settings["chunk_override"]:
+        changes["loss_chunk_tokens"] = plan.settings["chunk_override"]
+    return changes
+
+
 def alternatives(config: TrainConfig, shapes: Shapes, device_type: str, gpu_bytes: int) -> str:
     """The memory options not yet on, added one by one, with the micro-batch-1 peak of each (and whether it fits)."""
     import dataclasses

@@ -331,6 +331,7 @@ class Rewards:
                                   f"completion {completions[i]!r}); rewards must be numbers finite in float32 "
                                   f"(|x| <= {FLOAT32_MAX:.3g}), or None where the function does not apply")
         return torch.tensor(floats, dtype=torch.float32)  # [N]
+
     @staticmethod
     def _culprit(call, prompts, completions) -> str:
         """Which sample makes the function raise, found by calling it on each sample alone."""

@@ -72,12 +72,12 @@ from fastgrpo.train.model import (
 )
 from fastgrpo.train.plan import (
     GiB,
-    auto_fit,
     describe_peak,
+    fitted,
     format_plan,
     model_shapes,
     parse_size,
-    plan_memory,
+    plan_run,
     suggestions,
     usable,
 )
@@ -184,20 +184,10 @@ class Trainer:
             gpu = parse_size(config.gpu_memory)
         elif self.device.type == "cuda":
             gpu = torch.cuda.get_device_properties(self.device).total_memory
-        if config.auto_fit and gpu is None:
-            raise ValueError("auto_fit: give gpu_memory (e.g. --gpu-memory 24GiB); a CPU has no device memory to fit")
-        shapes = model_shapes(model_config(config))
         longest = max(map(len, self.train_prompts.token_ids))
+        plan = plan_run(config, model_shapes(model_config(config)), self.device.type, gpu, prompt_length=longest)
         if config.auto_fit:
-            plan = auto_fit(config, gpu, shapes, self.device.type, prompt_length=longest)
-            mb, step = plan.settings["per_device_train_batch_size"], plan.settings["samples_per_step"]
-            self.config = config = dataclasses.replace(
-                config, per_device_train_batch_size=mb, gradient_accumulation_steps=step // mb,
-                steps_per_generation=config.generation_batch_size // mb,
-                kv_cache_blocks=plan.settings["kv_blocks"] if plan.settings["kv_pages_cut"] else config.kv_cache_blocks,
-                loss_chunk_tokens=plan.settings["chunk_override"] or config.loss_chunk_tokens)
-        else:
-            plan = plan_memory(config, shapes=shapes, device_type=self.device.type, prompt_length=longest)
+            self.config = config = dataclasses.replace(config, **fitted(config, plan))
         self.plan_text = format_plan(plan, gpu)
         if gpu is not None and self.world.is_main:
             print(f"fastgrpo train: memory plan: peak {plan.peak() / GiB:.1f} GiB ({describe_peak(plan)}) of "
@@ -449,11 +439,12 @@ class Trainer:
         """completions.jsonl rows of this round (rank 0 writes): prompt, completion, each reward, the advantage, and
         the columns the reward functions logged with log_extra (null for a rank's samples that logged none)."""
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        extra = {}
+        columns = {column for part in parts for column in part[5]}
+        extra = {column: [] for column in columns}
         for part in parts:
             n = sum(len(group) for group in part[0])
-            for column in {c for p in parts for c in p[5]}:
-                extra.setdefault(column, []).extend(part[5].get(column, [None] * n))
+            for column in columns:
+                extra[column].extend(part[5].get(column, [None] * n))
         names = self.rewards.metric_names
         self.log.log_completions(self.step, [
             {"prompt": self.train_prompts.prompts[i], "completion": texts[k],

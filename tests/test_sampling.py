@@ -303,7 +303,7 @@ def test_failed_cuda_graph_capture_falls_back_to_eager(monkeypatch):
 
     monkeypatch.setattr(DecodeGraphs, "_capture", capture)
     monkeypatch.setattr(Engine, "_decode_graphs", lambda self, kv_cache, width: DecodeGraphs(
-        self.model, kv_cache, self.config.max_num_seqs, width, self.backend, None))
+        self._forward, kv_cache, self.config.max_num_seqs, width, self.backend, None))
     with pytest.warns(UserWarning, match="decoding without CUDA graphs"):
         got = Engine(model, block_size=4).generate(prompts, n=2, params=params)
     assert got == want and len(calls) == 1
@@ -542,6 +542,7 @@ def test_bad_sampling_params(kwargs, match):
     (dict(block_size=0), "block_size"), (dict(num_blocks=0), "num_blocks"), (dict(memory_fraction=0), "memory_frac"),
     (dict(max_num_seqs=0), "max_num_seqs"), (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (dict(attention="xformers"), "attention"), (dict(attention="flash", block_size=16), "multiple of 256"),
+    (dict(fused_layers="yes"), "fused_layers"), (dict(cuda_graphs=1), "cuda_graphs"),
 ])
 def test_bad_engine_config(kwargs, match):
     with pytest.raises(ValueError, match=match):

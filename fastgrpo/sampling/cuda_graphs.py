@@ -6,11 +6,12 @@ sequence owns and attend over it alone.
 """
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
 from fastgrpo.kernels.paged_attention import Tiles
-from fastgrpo.sampling.attention import PagedBatch, paged_batch
+from fastgrpo.sampling.attention import PagedBatch
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -20,7 +21,7 @@ def graph_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(
         self,
-        model: torch.nn.Module,
+        forward: Callable[[torch.Tensor, torch.Tensor, PagedBatch], torch.Tensor],  # (ids [S], positions [S], batch)
         kv_cache: torch.Tensor,  # [layers, 2, num_blocks + 1, block_size, Hkv, D]; the last page is scratch
         max_batch: int,
         max_blocks_per_seq: int,
@@ -28,7 +29,7 @@ class DecodeGraphs:
         tiles: Tiles | None,
     ):
         device = kv_cache.device
-        self.model, self.kv_cache, self.backend, self.tiles = model, kv_cache, backend, tiles
+        self.forward, self.kv_cache, self.backend, self.tiles = forward, kv_cache, backend, tiles
         self.scratch_block = kv_cache.shape[2] - 1
         self.scratch_slot = self.scratch_block * kv_cache.shape[3]
         self.sizes = graph_sizes(max_batch)
@@ -90,18 +91,16 @@ class DecodeGraphs:
         )
 
         def forward() -> torch.Tensor:
-            ids, pos = self.input_ids[:size][None], self.positions[:size][None]
-            return self.model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+            return self.forward(self.input_ids[:size], self.positions[:size], batch)
 
-        with paged_batch(batch):
-            # Warm up on a side stream (kernel compilation, lazy workspaces), as torch.cuda.graphs asks.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                forward()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[size] = forward()
+        # Warm up on a side stream (kernel compilation, lazy workspaces), as torch.cuda.graphs asks.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.logits[size] = forward()
         self.pool = graph.pool()
         self.graphs[size] = graph

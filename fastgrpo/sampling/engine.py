@@ -4,8 +4,10 @@
     outputs = engine.generate(prompt_token_ids, n=8, params=SamplingParams(temperature=1.0, max_new_tokens=512))
     outputs[i][j].token_ids, .logprobs, .finish_reason     # prompt i, completion j
 
-The engine owns no weights: it runs the model's own modules with attention swapped (transformers'
-AttentionInterface) for the duration of `generate`. The KV pool is allocated per call and released at its end, so
+The engine owns no weights. Llama/Qwen2/Qwen3 models run through the engine's own decoder layers over the model's
+parameters (decode_layers.py: fused q/k/v and gate/up GEMMs, fused elementwise kernels); other models run their own
+modules with attention swapped (transformers' AttentionInterface) for the duration of `generate`. On CUDA the
+sampler is two kernels that read the logits once (kernels/sampling.py) unless top-k or top-p is on. The KV pool is allocated per call and released at its end, so
 the training step that follows gets the memory back.
 """
 
@@ -17,11 +19,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fastgrpo.kernels.sampling import fused_sample
 from fastgrpo.models import find_hf_model, stop_token_ids
 from fastgrpo.sampling.attention import ATTENTION_NAME, build_paged_batch, paged_batch, triton_tiles
 from fastgrpo.sampling.batch import DecodeBatch, Outputs
 from fastgrpo.sampling.block_pool import BlockPool, blocks_for
 from fastgrpo.sampling.cuda_graphs import DecodeGraphs
+from fastgrpo.sampling.decode_layers import FusedDecoder, unsupported
 from fastgrpo.sampling.params import EngineConfig, SamplingParams, check_int
 from fastgrpo.sampling.sampler import sample
 from fastgrpo.sampling.scheduler import Scheduler, Step
@@ -134,6 +138,11 @@ class Engine:
         self.device = self.hf_model.get_input_embeddings().weight.device
         self.dtype = self.hf_model.get_input_embeddings().weight.dtype
         self.backend = self._resolve_backend()
+        # The fused kernels (decode layers, sampler) run where Triton does: the triton/flash backends.
+        self.fused_kernels = self.backend in ("triton", "flash")
+        reason = unsupported(self.hf_model) if self.config.fused_layers else "fused_layers=False"
+        self.decoder = None if reason else FusedDecoder(self.hf_model, "triton" if self.fused_kernels else "torch")
+        self.layers = "fused" if self.decoder else f"transformers ({reason})"
         self.stats = GenerateStats()
         self._stop_candidates: dict[tuple, torch.Tensor] = {}  # (tokenizer, stop strings) -> [V] bool
 
@@ -183,6 +192,8 @@ class Engine:
                               self.config.max_num_batched_tokens)  # fmt: skip
         finish = self._finish_check(params, outputs)
         self.stats = GenerateStats(num_blocks=num_blocks)
+        if self.decoder is not None:
+            self.decoder.refresh()
         with self._sampling_mode():
             # One page past the pool: scratch for the padding rows of CUDA graphs.
             kv_cache = torch.zeros(
@@ -286,7 +297,8 @@ class Engine:
         if not (self.config.cuda_graphs and self.device.type == "cuda" and self.backend in ("triton", "flash")):
             return None
         tiles, _, _ = triton_tiles([1], self.num_heads // self.num_kv_heads, self.dtype)  # one token per sequence
-        return DecodeGraphs(self.model, kv_cache, self.config.max_num_seqs, max_blocks_per_seq, self.backend, tiles)
+        return DecodeGraphs(self._forward, kv_cache, self.config.max_num_seqs, max_blocks_per_seq, self.backend,
+                            tiles)  # fmt: skip
 
     # -- one forward --
 
@@ -304,6 +316,12 @@ class Engine:
         if host is not None and any(count > 1 for count in host.sample_counts):  # a first fork samples n tokens
             counts = torch.cat([torch.ones(step.num_rows, dtype=torch.long), torch.tensor(host.sample_counts)])
             logits = logits[torch.repeat_interleave(torch.arange(len(counts)), counts).to(self.device)]
+        return self._sample(logits, params, u)
+
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None):
+        filtered = 0 < params.top_k < logits.shape[-1] or params.top_p < 1
+        if self.fused_kernels and not filtered:
+            return fused_sample(logits, params.temperature, u)
         return sample(logits.float(), params, u)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -325,6 +343,12 @@ class Engine:
             keep = self._tensor(host.last_tokens, torch.long) + num_rows
             if num_rows:
                 keep = torch.cat([torch.arange(num_rows, device=self.device), keep])
+        return self._forward(input_ids, positions, paged, keep)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, paged, keep: torch.Tensor | int = 0):
+        """[rows kept, V] logits of the packed tokens input_ids/positions [T]; keep: 0 (all) or packed indices."""
+        if self.decoder is not None:
+            return self.decoder(input_ids, positions, paged, keep)
         with paged_batch(paged):
             return self.model(
                 input_ids=input_ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=keep

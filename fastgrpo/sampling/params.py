@@ -63,6 +63,9 @@ class EngineConfig:
     attention: "auto" (flash when installed and block_size allows, else triton on CUDA, torch on CPU),
         "torch" (gather + SDPA reference), "triton", "flash".
     cuda_graphs: capture decode steps in CUDA graphs (CUDA with the triton or flash backend only).
+    fused_layers: run Llama/Qwen2/Qwen3 models through the engine's own layers (decode_layers.py: q/k/v and
+        gate/up fused in place into one GEMM each, fused norm/rotary/SiLU kernels with the triton or flash backend);
+        False, or another architecture, runs transformers' modules with the paged attention function.
     """
 
     block_size: int = 16
@@ -72,6 +75,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     attention: str = "auto"
     cuda_graphs: bool = True
+    fused_layers: bool = True
 
     def __post_init__(self):
         check_int("block_size", self.block_size, 1)
@@ -85,5 +89,6 @@ class EngineConfig:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         if self.attention == "flash" and self.block_size % 256:
             raise ValueError(f"attention='flash' needs block_size to be a multiple of 256, got {self.block_size}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "fused_layers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -1,0 +1,206 @@
+"""The engine's own forward for Llama/Qwen2/Qwen3 models: one GEMM for q/k/v, one for gate/up, fused elementwise ops.
+
+transformers' decoder layer runs about 39 kernels per layer in decode (RMSNorm ~8, rotary ~10, the residual adds,
+three q/k/v GEMMs, two gate/up GEMMs, SiLU, multiply, the cache stores). Here a layer is
+
+    add_rms_norm -> qkv GEMM -> rope_store (q/k norms, rotary, K/V into their pages) -> paged attention -> o_proj
+    -> add_rms_norm -> gate_up GEMM -> silu_mul -> down_proj
+
+with the model's own parameters: q/k/v and gate/up of each layer are fused in place, once, into one buffer each,
+the trained parameters becoming row slices of it (their identity, gradients and optimizer states are unchanged; a
+GEMM over the buffer computes all of them; save_pretrained clones such slices when it writes). There is no copy of
+any weight.
+
+Two sets of ops compute the same layer. "triton" (CUDA, or Triton's interpreter): the kernels of
+fastgrpo.kernels.decode_ops, 5 kernels besides the GEMMs and attention. "torch" (CPU): the very PyTorch ops
+transformers' modules run, over the fused GEMMs' outputs, so a CPU samples the tokens it sampled before.
+
+Models of another architecture, or whose projections are not plain nn.Linear (LoRA, 4-bit), carry hooks, or are
+sharded (FSDP), keep transformers' modules with the paged attention function (`unsupported` says why).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastgrpo.sampling.attention import BACKENDS, PagedBatch
+
+FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def _linears(layer) -> dict[str, nn.Module]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return dict(q_proj=attn.q_proj, k_proj=attn.k_proj, v_proj=attn.v_proj, o_proj=attn.o_proj,
+                gate_proj=mlp.gate_proj, up_proj=mlp.up_proj, down_proj=mlp.down_proj)
+
+
+def unsupported(hf_model) -> str | None:
+    """Why the fused forward cannot run this model; None when it can."""
+    name = type(hf_model).__name__
+    if name not in FAMILIES:
+        return f"{name} is not one of {', '.join(FAMILIES)}"
+    config = hf_model.config.get_text_config()
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act is {config.hidden_act!r}, not 'silu'"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1 splits the MLP differently"
+    inner = hf_model.model
+    for index, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        if attn.head_dim & (attn.head_dim - 1):
+            return f"head_dim {attn.head_dim} is not a power of 2"
+        for proj, module in _linears(layer).items():
+            where = f"layers[{index}].{proj}"
+            if type(module) is not nn.Linear:
+                return f"{where} is a {type(module).__name__}, not a plain nn.Linear (LoRA, quantized)"
+            for param in module.parameters(recurse=False):
+                if type(param) is not nn.Parameter or type(param.data) is not torch.Tensor:
+                    return f"{where} holds a {type(param.data).__name__} (sharded or quantized parameters)"
+        for module in layer.modules():
+            if module._forward_hooks or module._forward_pre_hooks:
+                return f"layers[{index}] has forward hooks"
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            if len({_linears(layer)[p].bias is None for p in group}) > 1:
+                return f"layers[{index}]: {', '.join(group)} do not all have a bias, or all lack one"
+    return None
+
+
+def fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) buffers of `linears` stacked by rows, each module's parameters made row slices of them (in
+    place: the same Parameter objects). Already-fused modules are returned as they are."""
+    weight, bias = _stacked(linears)
+    if weight is None:
+        with torch.no_grad():
+            weight = torch.cat([m.weight.detach() for m in linears])
+            bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
+            start = 0
+            for m in linears:
+                rows = m.weight.shape[0]
+                m.weight.data = weight[start : start + rows]
+                if bias is not None:
+                    m.bias.data = bias[start : start + rows]
+                start += rows
+    return weight, bias
+
+
+def _stacked(linears: list[nn.Linear]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The buffers when the modules' parameters already are consecutive row slices of one (None, None) otherwise."""
+    buffers = []
+    for name in ("weight", "bias"):
+        params = [getattr(m, name) for m in linears]
+        if params[0] is None:
+            buffers.append(None)
+            continue
+        first = params[0]
+        rows = sum(p.shape[0] for p in params)
+        expected = first.data_ptr()
+        for p in params:
+            if (p.data_ptr() != expected or not p.is_contiguous() or p.dtype != first.dtype
+                    or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+                return None, None
+            expected += p.numel() * p.element_size()
+        buffers.append(first.data.as_strided((rows, *first.shape[1:]), first.stride()))
+    return buffers[0], buffers[1]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class FusedLayer:
+    """One decoder layer's fused buffers and the modules it reads its other parameters from."""
+
+    def __init__(self, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer, self.attn, self.mlp = layer, attn, mlp
+        self.qkv_modules = [attn.q_proj, attn.k_proj, attn.v_proj]
+        self.gate_up_modules = [mlp.gate_proj, mlp.up_proj]
+        self.qkv_weight, self.qkv_bias = fuse_rows(self.qkv_modules)
+        self.gate_up_weight, self.gate_up_bias = fuse_rows(self.gate_up_modules)
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+
+    def stale(self) -> bool:
+        """Whether a parameter stopped being a slice of the buffers (replaced by `.to()`, a load with assign=True)."""
+        return (_stacked(self.qkv_modules)[0] is None or _stacked(self.gate_up_modules)[0] is None
+                or _stacked(self.qkv_modules)[0].data_ptr() != self.qkv_weight.data_ptr()
+                or _stacked(self.gate_up_modules)[0].data_ptr() != self.gate_up_weight.data_ptr())
+
+
+class FusedDecoder:
+    """logits = decoder(input_ids [T], positions [T], batch, keep): the engine's forward over its packed tokens."""
+
+    def __init__(self, hf_model, ops: str):
+        assert ops in ("torch", "triton"), ops
+        reason = unsupported(hf_model)
+        if reason is not None:
+            raise ValueError(f"the fused decode layers cannot run this model: {reason}")
+        self.hf_model, self.ops = hf_model, ops
+        if ops == "triton":
+            from fastgrpo.kernels import decode_ops  # noqa: F401  (registers torch.ops.fastgrpo.*)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Fuse (again) where a layer's parameters are no longer slices of its buffers; called by every generate."""
+        inner = self.hf_model.model
+        layers = getattr(self, "layers", None)
+        if layers is None or len(layers) != len(inner.layers) or any(layer.stale() for layer in layers):
+            self.layers = [FusedLayer(layer) for layer in inner.layers]
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        batch: PagedBatch,
+        keep: torch.Tensor | int = 0,  # 0: every token's logits; else the packed indices of the rows to keep
+    ) -> torch.Tensor:  # [rows kept, V]
+        inner = self.hf_model.model
+        hidden = inner.embed_tokens(input_ids)  # [T, H]
+        cos, sin = (t[0] for t in inner.rotary_emb(hidden[None], positions[None]))  # [T, D] each
+        residual = None
+        for index, layer in enumerate(self.layers):
+            k_cache, v_cache = batch.kv_cache[index].unbind(0)
+            normed, residual = self._add_norm(hidden, residual, layer.layer.input_layernorm)
+            queries = self._qkv(layer, normed, cos, sin, k_cache, v_cache, batch.slot_mapping)  # [T, Hq, D]
+            out = BACKENDS[batch.backend](queries, k_cache, v_cache, batch, layer.attn.scaling)
+            hidden = layer.attn.o_proj(out.flatten(1))
+            normed, residual = self._add_norm(hidden, residual, layer.layer.post_attention_layernorm)
+            gate_up = F.linear(normed, layer.gate_up_weight, layer.gate_up_bias)
+            hidden = layer.mlp.down_proj(self._silu_mul(gate_up, layer.mlp))
+        if not isinstance(keep, int) or keep:  # the final norm is per row: only the kept rows need it
+            hidden, residual = hidden[keep], residual[keep]
+        normed, _ = self._add_norm(hidden, residual, inner.norm)
+        return self.hf_model.lm_head(normed)
+
+    def _add_norm(self, x, residual, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ops == "triton":
+            return torch.ops.fastgrpo.add_rms_norm(x, residual, norm.weight, norm.variance_epsilon)
+        summed = x if residual is None else residual + x
+        return norm(summed), summed
+
+    def _qkv(self, layer: FusedLayer, x, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
+        attn = layer.attn
+        qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, (Hq + 2 Hkv) D]
+        num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
+        num_heads = qkv.shape[1] // head_dim - 2 * num_kv
+        if self.ops == "triton":
+            norm_weights = (None, None) if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight)
+            eps = 0.0 if layer.q_norm is None else layer.q_norm.variance_epsilon
+            return torch.ops.fastgrpo.rope_store(qkv, cos, sin, *norm_weights, k_cache, v_cache, slots, num_heads,
+                                                 eps)  # fmt: skip
+        q, k, v = qkv.split([num_heads * head_dim, num_kv * head_dim, num_kv * head_dim], dim=-1)
+        q, k, v = q.view(-1, num_heads, head_dim), k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        cos, sin = cos[:, None], sin[:, None]
+        q = (q * cos) + (rotate_half(q) * sin)
+        k = (k * cos) + (rotate_half(k) * sin)
+        k_cache.flatten(0, 1)[slots] = k.to(k_cache.dtype)
+        v_cache.flatten(0, 1)[slots] = v.to(v_cache.dtype)
+        return q.to(k_cache.dtype)
+
+    def _silu_mul(self, gate_up, mlp) -> torch.Tensor:
+        if self.ops == "triton":
+            return torch.ops.fastgrpo.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return mlp.act_fn(gate) * up

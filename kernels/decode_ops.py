@@ -130,14 +130,14 @@ def _silu_mul_kernel(
     Out,  # [T, I]
     stride_gu,
     stride_o,
-    I,
+    width,  # I
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < I
+    mask = cols < width
     gate = tl.load(GU + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(GU + row * stride_gu + I + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(GU + row * stride_gu + width + cols, mask=mask, other=0.0).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(Out.dtype.element_ty).to(tl.float32)
     tl.store(Out + row * stride_o + cols, (act * up).to(Out.dtype.element_ty), mask=mask)
 

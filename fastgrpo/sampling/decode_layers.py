@@ -179,7 +179,6 @@ class FusedDecoder:
         return norm(summed), summed
 
     def _qkv(self, layer: FusedLayer, x, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
-        attn = layer.attn
         qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, (Hq + 2 Hkv) D]
         num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
         num_heads = qkv.shape[1] // head_dim - 2 * num_kv

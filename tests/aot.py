@@ -17,7 +17,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fastgrpo.kernels import logit_rows, paged_attention
+from fastgrpo.kernels import decode_ops, logit_rows, paged_attention, sampling
+
+# Sizes the JIT also sees as multiples of 16 in real models (hidden, intermediate and vocabulary sizes).
+ALIGNED_SIZES = ("H", "V", "width")
 
 # The builds need real JIT functions: this module runs as its own process, without TRITON_INTERPRET.
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
@@ -42,7 +45,7 @@ def build(fn, signature: dict, constexprs: dict, cc: int, num_warps: int, num_st
     # The JIT marks pointers and int arguments that are multiples of 16 (strides of real models) as such, which
     # lets loads vectorize; do the same for pointers and strides here.
     aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items()
-               if ty.startswith("*") or name.startswith("stride")}
+               if ty.startswith("*") or name.startswith("stride") or name in ALIGNED_SIZES}
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
     compiled = triton.compile(
         ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned),
@@ -108,6 +111,64 @@ KERNELS.update(logit_row_stats=logit_row_stats, logit_row_grad=logit_row_grad)
 ROW_DTYPES = {"logit_row_stats": ("fp32",), "logit_row_grad": ("fp32", "bf16")}
 
 
+# -- the decode step's elementwise kernels and the sampler (memory-bound: 16-byte accesses, no spills) --
+
+def add_rms_norm(hidden):
+    def kernel(dt):
+        sig = dict(X=f"*{dt}", R=f"*{dt}", W=f"*{dt}", Out=f"*{dt}", ROut=f"*{dt}", stride_x="i32", stride_r="i32",
+                   stride_o="i32", stride_ro="i32", H="i32", eps="fp32")
+        consts = dict(HAS_RESIDUAL=True, BLOCK_H=triton.next_power_of_2(hidden))
+        return decode_ops._add_rms_norm_kernel, sig, consts, decode_ops.norm_warps(hidden), 1
+    return kernel
+
+
+def rope_store(heads, kv_heads, qk_norm):
+    def kernel(dt):
+        sig = dict(QKV=f"*{dt}", Cos=f"*{dt}", Sin=f"*{dt}", QNormW=f"*{dt}", KNormW=f"*{dt}", Q=f"*{dt}",
+                   KCache=f"*{dt}", VCache=f"*{dt}", Slots="*i64",
+                   **{name: "i32" for name in ("stride_qkv", "stride_cos", "stride_sin", "stride_qt", "stride_qh",
+                                               "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
+                                               "stride_vh")}, eps="fp32")
+        total = heads + 2 * kv_heads
+        consts = dict(NUM_Q=heads, NUM_KV=kv_heads, HEAD_DIM=128, PAGE=16, HAS_QK_NORM=qk_norm,
+                      BLOCK_HEADS=triton.next_power_of_2(total))
+        return decode_ops._rope_store_kernel, sig, consts, decode_ops.rope_warps(total, 128), 1
+    return kernel
+
+
+def silu_mul(dt):
+    sig = dict(GU=f"*{dt}", Out=f"*{dt}", stride_gu="i32", stride_o="i32", width="i32")
+    return decode_ops._silu_mul_kernel, sig, dict(BLOCK=decode_ops.SILU_BLOCK), 4, 1
+
+
+def sample_tile_stats(dt):
+    """Over the lm_head's logits (Qwen2.5's vocabulary: 74 tiles), temperature on."""
+    sig = dict(Logits=f"*{dt}", TileMax="*fp32", TileSum="*fp32", TileArg="*i32", stride_l="i32", V="i32",
+               temperature="fp32")
+    consts = dict(NUM_TILES=triton.cdiv(151936, sampling.BLOCK_V), SCALED=True, BLOCK_V=sampling.BLOCK_V)
+    return sampling._tile_stats_kernel, sig, consts, sampling.NUM_WARPS, 1
+
+
+def sample_pick(dt):
+    sig = dict(Logits=f"*{dt}", TileMax="*fp32", TileSum="*fp32", TileArg="*i32", U="*fp64", Tokens="*i64",
+               Logprobs="*fp32", stride_l="i32", V="i32", temperature="fp32")
+    tiles = triton.cdiv(151936, sampling.BLOCK_V)
+    consts = dict(NUM_TILES=tiles, BLOCK_T=triton.next_power_of_2(tiles), SCALED=True, GREEDY=False,
+                  BLOCK_V=sampling.BLOCK_V)
+    return sampling._pick_kernel, sig, consts, sampling.NUM_WARPS, 1
+
+
+# Hidden sizes of Qwen2.5-1.5B and Llama-3-70B (the widest row the kernel is built for); head layouts of
+# Qwen2.5-1.5B (12 on 2) and Qwen3-8B-like q/k norms at 32 on 8 heads.
+DECODE_KERNELS = {"add_rms_norm_1536": add_rms_norm(1536), "add_rms_norm_8192": add_rms_norm(8192),
+                  "rope_store_12_2": rope_store(12, 2, False), "rope_store_qk_norm_32_8": rope_store(32, 8, True),
+                  "silu_mul": silu_mul, "sample_tile_stats": sample_tile_stats, "sample_pick": sample_pick}
+KERNELS.update(DECODE_KERNELS)
+# The sampler's one logits read must be 16-byte vectors; the pick kernel reads one tile of the row.
+VECTOR_LOADS = ("logit_row_stats", "logit_row_grad", "add_rms_norm_1536", "add_rms_norm_8192", "rope_store_12_2",
+                "rope_store_qk_norm_32_8", "silu_mul", "sample_tile_stats")
+
+
 def build_all(cases):
     """cases: [(kernel name, dtype, cc)] -> [dict of resource usage], with fp32 GEMMs in exact ("ieee") mode."""
     results = []
@@ -122,6 +183,9 @@ def build_all(cases):
                             wgmma_bf16="wgmma.mma_async.sync.aligned" in b.ptx and ".bf16" in b.ptx,
                             vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v4", b.ptx)),
                             vector_stores=len(re.findall(r"st\.global(?:\.\w+)*\.v4", b.ptx)),
+                            async_copies_16b=len(re.findall(r"cp\.async\.cg\.shared\.global(?:\.\w+)* \[[^]]+\], "
+                                                            r"\[[^]]+\], 0x10", b.ptx)),
+                            num_warps=warps, num_stages=stages, constexprs=consts,
                             ptxas_report=b.ptxas_report))
     return results
 

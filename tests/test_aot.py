@@ -11,10 +11,11 @@ import pytest
 
 pytest.importorskip("triton")
 
-from aot import GEMM_KERNELS, KERNELS, ROW_DTYPES
+from aot import DECODE_KERNELS, GEMM_KERNELS, KERNELS, ROW_DTYPES, VECTOR_LOADS
 
 NAMES = tuple(KERNELS)
 CASES = [(name, dtype, cc) for name in NAMES for dtype in (("bf16", "fp16", "fp32") if name in GEMM_KERNELS else
+                                                             ("bf16", "fp32") if name in DECODE_KERNELS else
                                                              ("bf16",)) for cc in (90, 80)]
 CASES = [case for case in CASES if case[0] not in ROW_DTYPES] + [
     (name, dtype, cc) for name, dtypes in ROW_DTYPES.items() for dtype in dtypes for cc in (90, 80)]
@@ -40,6 +41,20 @@ def test_kernel_builds_for_gpu(builds, name, dtype, cc):
         if cc == 90 and dtype == "bf16" and name != "paged_attention_decode":  # wgmma needs M >= 64; decode has 16
             assert b["wgmma_bf16"], "expected bf16 wgmma on sm_90"
     assert b["spill_stores"] == 0 and b["spill_loads"] == 0, b["ptxas_report"]
-    if name in ROW_DTYPES:  # memory-bound passes: 16-byte loads of the logits (and 16-byte stores of dZ)
+    if name in VECTOR_LOADS:  # memory-bound passes: 16-byte loads (and stores) of their rows
         assert b["vector_loads"] > 0, f"{name} {dtype} sm_{cc}: no ld.global.v4 in its PTX"
-        assert name == "logit_row_stats" or b["vector_stores"] > 0, f"{name}: no st.global.v4 in its PTX"
+        no_row_store = ("logit_row_stats", "sample_tile_stats")
+        assert name in no_row_store or b["vector_stores"] > 0, f"{name}: no st.global.v4 in its PTX"
+
+
+@pytest.mark.parametrize("dtype,cc", [(dtype, cc) for dtype in ("bf16", "fp16") for cc in (90, 80)])
+def test_decode_attention_loads_one_kv_tile_for_the_whole_group(builds, dtype, cc):
+    """GQA: a decode program holds every query head of its KV head (BLOCK_M >= GROUP rows), and its PTX copies one
+    K tile and one V tile per step of the KV loop (16-byte cp.async, once per pipeline stage): each KV page is read
+    once per KV head, not once per query head. tests/test_paged_attention.py counts the programs."""
+    b = builds[("paged_attention_decode", dtype, cc)]
+    consts = b["constexprs"]
+    assert consts["BLOCK_M"] >= consts["GROUP"] > 1
+    tile_bytes = consts["BLOCK_N"] * consts["BLOCK_D"] * 2  # one K (or V) tile, 2-byte elements
+    copies_per_stage = 2 * tile_bytes // (b["num_warps"] * 32 * 16)  # K and V, 16 bytes per thread and copy
+    assert b["async_copies_16b"] == copies_per_stage * b["num_stages"], b["async_copies_16b"]

@@ -162,3 +162,27 @@ def test_flash_backend_arguments(monkeypatch):
         got = _flash_backend(q, k, v, paged, 0.2)
         want = reference_paged_attention(q, k, v, block_tables, as_i32(ctx), cumulative(q_lens), 0.2)
         assert torch.allclose(got, want, atol=1e-12), batch
+
+
+def test_decode_reads_each_kv_page_once_per_kv_head(monkeypatch):
+    """A decode step launches one program per (sequence, KV head), each stepping through its context once, so the
+    K/V bytes read are those of the cached tokens (rounded up to BLOCK_N) per KV head, not per query head;
+    tests/test_aot.py checks that a program's PTX copies one K and one V tile per step."""
+    from fastgrpo.kernels import paged_attention as module
+
+    grids = []
+    kernel = module._paged_attention_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(module, "_paged_attention_kernel", Recorder())
+    group, head_dim, block_size = 6, 32, 16
+    truth, _, _, fast = run_case("decode_block", group, block_size, head_dim, share_prefix=False, tiles=None)
+    torch.testing.assert_close(fast.double(), truth, rtol=0, atol=1e-5)
+    contexts = [c for c, _ in batches(block_size)["decode_block"]]
+    (grid,) = grids
+    assert grid == (len(contexts), 2)  # sequences x KV heads (2 in run_case), not x query heads (12)
+    assert tiles_for(group, 1, torch.bfloat16).block_m >= group  # a decode program holds the whole group

@@ -1,5 +1,8 @@
 """Device-memory peaks of fastgrpo's training micro-batch and decode step, as bytes of live tensors.
 
+`BytesMoved` (at the end) counts instead the bytes each op reads and writes, for the decode step's per-layer traffic
+(`count_decode_bytes`).
+
 `LiveBytes` counts the storages of live tensors at the dispatcher: every op's new output storage is added (once, by its
 nbytes; views and in-place results add nothing) and subtracted when the storage is freed. It works on real tensors
 and on FakeTensorMode tensors (whose meta storages have an nbytes but no memory), so the same code measures
@@ -594,6 +597,134 @@ def trace_decode_step(model_config, *, dtype: torch.dtype = torch.bfloat16, num_
     result.update({name: live.peaks[name] for name in ("decode", "forward")})
     result["seconds"] = time.perf_counter() - start
     return result
+
+
+class BytesMoved(TorchDispatchMode):
+    """Bytes each op reads and writes in device memory, summed by kind: "gemm" (mm, addmm, bmm: activations and
+    weights), "fused" (fastgrpo's custom ops: one kernel each) and "elementwise" (every other op), on real or fake
+    tensors. An op moves its tensor arguments and results, with these exceptions: views, metadata and allocations
+    move nothing; gathers and scatters (embedding, index, index_select, gather, index_put_) move the rows they
+    touch, not the table; searchsorted reads log2(V) entries per row; fastgrpo::rope_store writes K/V into their
+    pages (not the pool) and fastgrpo::sample reads the logits once plus one vocabulary tile per row."""
+
+    NOTHING = ("empty", "empty_like", "new_empty", "empty_strided", "detach", "alias", "_unsafe_view", "lift_fresh",
+               "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "_local_scalar_dense", "set_")
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: dict[str, int] = {"gemm": 0, "fused": 0, "elementwise": 0}
+        self.ops: dict[str, int] = {"gemm": 0, "fused": 0, "elementwise": 0}  # kernel launches (one per op)
+        self.log: list[tuple[str, str, int]] = []  # (kind, op, bytes) in order
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if func.is_view or name in self.NOTHING or func.namespace == "prim":
+            return out
+        moved = self._moved(func, name, args, kwargs, out)
+        kind = ("fused" if func.namespace == "fastgrpo" else
+                "gemm" if name in ("mm", "addmm", "bmm", "baddbmm") else "elementwise")
+        self.bytes[kind] += moved
+        self.ops[kind] += 1
+        self.log.append((kind, str(func), moved))
+        return out
+
+    @staticmethod
+    def _moved(func, name, args, kwargs, out) -> int:
+        size = lambda t: t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+        results = sum(map(size, tree_flatten(out)[0]))
+        if name in ("embedding", "index", "index_select"):
+            return 2 * results + size(args[1])  # the rows read, written out, and the indices
+        if name == "gather":
+            return 2 * results + size(args[2])
+        if name == "searchsorted":  # a binary search per row: log2(V) reads of the sorted row
+            sorted_rows = args[0]
+            steps = max(1, int(sorted_rows.shape[-1]).bit_length())
+            return sorted_rows[..., 0].numel() * steps * sorted_rows.element_size() + size(args[1]) + results
+        if name in ("index_put", "index_put_"):
+            indices = sum(map(size, tree_flatten(args[1])[0]))
+            return 2 * size(args[2]) + indices
+        if name == "rope_store":
+            qkv, q = args[0], out
+            kv_written = size(qkv) - size(q)
+            return size(qkv) + size(args[1]) + size(args[2]) + size(args[3]) + size(args[4]) + size(q) + kv_written
+        if name == "sample":
+            from fastgrpo.kernels.sampling import BLOCK_V
+
+            logits = args[0]
+            tile = logits.shape[0] * min(BLOCK_V, logits.shape[1]) * logits.element_size()
+            return size(logits) + tile + size(args[2]) + results
+        inputs = sum(map(size, tree_flatten((args, kwargs))[0]))
+        return inputs + results
+
+
+def count_decode_bytes(model_config, *, fused: bool, dtype: torch.dtype = torch.bfloat16, num_sequences: int = 512,
+                       context_length: int = 768, block_size: int = 16, params=None) -> dict:
+    """Bytes one decode step of the engine moves on a GPU, counted op by op (BytesMoved) on fake CPU tensors at real
+    shapes: `fused` runs the engine's own layers with their CUDA kernels (decode_layers.py with the triton ops, the
+    fused sampler), not `fused` transformers' modules with the paged attention function and the PyTorch sampler
+    over an fp32 copy of the logits (the engine before its fused layers, and the path of other architectures).
+
+    The paged attention kernel itself is left out (the same kernel on both paths: it reads each sequence's K/V once
+    per KV head, `attention_kv_bytes`). Returns {"layer": {kind: bytes}, "layer_ops": {kind: launches},
+    "head": ..., "head_ops": ..., "attention_kv_bytes": int}: per decoder layer (the difference of a model with one
+    layer more), and the rest of the step (embedding, rotary tables, final norm, lm_head, sampler).
+    """
+    from fastgrpo.sampling import attention as paged
+    from fastgrpo.sampling.batch import DecodeBatch
+    from fastgrpo.sampling.block_pool import blocks_for
+    from fastgrpo.sampling.engine import Engine
+    from fastgrpo.sampling.params import SamplingParams
+
+    config = _load_config(model_config)
+    params = SamplingParams() if params is None else params
+    S, pages = num_sequences, blocks_for(context_length, block_size)
+    counts = []
+    for layers in (1, 2):
+        fields = {**config.to_dict(), "num_hidden_layers": layers}
+        if fields.get("layer_types"):
+            fields["layer_types"] = fields["layer_types"][:layers]
+        layer_config = type(config).from_dict(fields)
+        built = _build(layer_config, dtype, use_peft=False, lora_r=0, lora_alpha=0, lora_dropout=0.0,
+                       load_in_4bit=False, gradient_checkpointing=False, offload_activations=False,
+                       attn_implementation=None, live=None)
+        original = paged.BACKENDS["torch"]
+        paged.BACKENDS["torch"] = lambda query, k_cache, v_cache, batch, scale: torch.empty_like(query)
+        try:
+            with built.fake, _AssumeValid():
+                engine = Engine(built.model, block_size=block_size, attention="torch", fused_layers=fused)
+                if fused:
+                    from fastgrpo.kernels import decode_ops  # noqa: F401
+
+                    engine.decoder.ops, engine.fused_kernels = "triton", True
+                kv_cache = torch.zeros(layers, 2, S * pages, block_size, engine.num_kv_heads, engine.head_dim,
+                                       dtype=engine.dtype)
+                batch = DecodeBatch(S, pages, block_size, engine.device)
+                batch.seqs = [None] * S
+                batch.context_h[:S] = context_length - 1
+                batch.pages_h[:S] = pages
+                u = None if params.greedy else torch.empty(S, dtype=torch.float64)
+                with engine._sampling_mode():
+                    rows = batch.inputs()
+                    paged_batch = paged.build_paged_batch(kv_cache, [], [], [], [], "torch", 1, rows=rows,
+                                                          rows_max_context=context_length)
+                    with BytesMoved() as moved:
+                        logits = engine._forward(rows["input_ids"], rows["positions"], paged_batch)
+                        engine._sample(logits, params, u)
+        finally:
+            paged.BACKENDS["torch"] = original
+        counts.append(moved)
+    one, two = counts
+    layer = {kind: two.bytes[kind] - one.bytes[kind] for kind in one.bytes}
+    layer_ops = {kind: two.ops[kind] - one.ops[kind] for kind in one.ops}
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return {"layer": layer, "layer_ops": layer_ops,
+            "head": {kind: one.bytes[kind] - layer[kind] for kind in layer},
+            "head_ops": {kind: one.ops[kind] - layer_ops[kind] for kind in layer_ops},
+            "attention_kv_bytes": 2 * S * context_length * text.num_key_value_heads * head_dim * itemsize}
 
 
 def measure_trainer_step(trainer) -> dict:

@@ -105,11 +105,13 @@ def _pick_kernel(
     tl.store(Logprobs + row, ((z_token - top).to(tl.float64) - tl.log(total)).to(tl.float32))
 
 
+@torch.library.custom_op("fastgrpo::sample", mutates_args=())
 def fused_sample(
     logits: torch.Tensor,  # [R, V], the lm_head's dtype
     temperature: float,  # 0: greedy
     u: torch.Tensor | None,  # [R] fp64 in (0, 1); None when greedy
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [R] int64, logprobs [R] fp32
+    """A torch custom op (torch.ops.fastgrpo.sample), so that fake tensors trace it and a byte counter sees it."""
     assert logits.dim() == 2 and logits.stride(-1) == 1
     greedy = temperature == 0
     assert greedy == (u is None)
@@ -133,3 +135,8 @@ def fused_sample(
         SCALED=scaled, GREEDY=greedy, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
     )  # fmt: skip
     return tokens, logprobs
+
+
+@fused_sample.register_fake
+def _(logits, temperature, u):
+    return logits.new_empty(logits.shape[0], dtype=torch.long), logits.new_empty(logits.shape[0], dtype=torch.float32)

@@ -22,6 +22,7 @@ sharded (FSDP), keep transformers' modules with the paged attention function (`u
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fastgrpo.sampling.attention import BACKENDS, PagedBatch
 
@@ -54,8 +55,8 @@ def unsupported(hf_model) -> str | None:
             if type(module) is not nn.Linear:
                 return f"{where} is a {type(module).__name__}, not a plain nn.Linear (LoRA, quantized)"
             for param in module.parameters(recurse=False):
-                if type(param) is not nn.Parameter or type(param.data) is not torch.Tensor:
-                    return f"{where} holds a {type(param.data).__name__} (sharded or quantized parameters)"
+                if isinstance(param, DTensor) or isinstance(param.data, DTensor):
+                    return f"{where} holds a DTensor (sharded parameters)"
         for module in layer.modules():
             if module._forward_hooks or module._forward_pre_hooks:
                 return f"layers[{index}] has forward hooks"
@@ -84,7 +85,8 @@ def fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | No
 
 
 def _stacked(linears: list[nn.Linear]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The buffers when the modules' parameters already are consecutive row slices of one (None, None) otherwise."""
+    """The buffers when the modules' parameters already are consecutive row slices of one; (None, None) otherwise.
+    (Storages and offsets, not data pointers: fake tensors, which traces run on, have none.)"""
     buffers = []
     for name in ("weight", "bias"):
         params = [getattr(m, name) for m in linears]
@@ -92,15 +94,19 @@ def _stacked(linears: list[nn.Linear]) -> tuple[torch.Tensor | None, torch.Tenso
             buffers.append(None)
             continue
         first = params[0]
-        rows = sum(p.shape[0] for p in params)
-        expected = first.data_ptr()
+        storage, expected = _storage(first), first.storage_offset()
         for p in params:
-            if (p.data_ptr() != expected or not p.is_contiguous() or p.dtype != first.dtype
-                    or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            if (_storage(p) != storage or p.storage_offset() != expected or not p.is_contiguous()
+                    or p.dtype != first.dtype):
                 return None, None
-            expected += p.numel() * p.element_size()
+            expected += p.numel()
+        rows = sum(p.shape[0] for p in params)
         buffers.append(first.data.as_strided((rows, *first.shape[1:]), first.stride()))
     return buffers[0], buffers[1]
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -122,9 +128,12 @@ class FusedLayer:
 
     def stale(self) -> bool:
         """Whether a parameter stopped being a slice of the buffers (replaced by `.to()`, a load with assign=True)."""
-        return (_stacked(self.qkv_modules)[0] is None or _stacked(self.gate_up_modules)[0] is None
-                or _stacked(self.qkv_modules)[0].data_ptr() != self.qkv_weight.data_ptr()
-                or _stacked(self.gate_up_modules)[0].data_ptr() != self.gate_up_weight.data_ptr())
+        for modules, buffer in ((self.qkv_modules, self.qkv_weight), (self.gate_up_modules, self.gate_up_weight)):
+            stacked = _stacked(modules)[0]
+            if stacked is None or _storage(stacked) != _storage(buffer) or stacked.storage_offset() != \
+                    buffer.storage_offset():
+                return True
+        return False
 
 
 class FusedDecoder:

@@ -1,0 +1,39 @@
+"""The decode step's bytes, counted op by op on fake tensors (fastgrpo.memory_trace.count_decode_bytes): the fused
+layers' kernels move what their formulas say, and far less than transformers' modules."""
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from fastgrpo.memory_trace import count_decode_bytes
+
+CONFIG = Path(__file__).parent.parent / "benchmarks" / "models" / "qwen2.5-1.5b"
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return {fused: count_decode_bytes(CONFIG, fused=fused, num_sequences=8, context_length=40)
+            for fused in (False, True)}
+
+
+def test_fused_layer_moves_what_its_kernels_read_and_write(counts):
+    c = AutoConfig.from_pretrained(CONFIG)
+    T, H, inner, D = 8, c.hidden_size, c.intermediate_size, c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * D, c.num_key_value_heads * D
+    norm = 4 * T * H * 2 + H * 2  # x, residual in; normed, summed out; the weight
+    rope = T * (q + 2 * kv) * 2 + 2 * T * D * 2 + T * q * 2 + T * 2 * kv * 2  # qkv, cos, sin in; q, K, V out
+    silu = T * 2 * inner * 2 + T * inner * 2
+    fused = counts[True]
+    assert fused["layer"] == {"gemm": fused["layer"]["gemm"], "fused": 2 * norm + rope + silu, "elementwise": 0}
+    assert fused["layer_ops"] == {"gemm": 4, "fused": 4, "elementwise": 0}
+
+
+def test_transformers_layer_moves_three_times_as_much(counts):
+    plain, fused = counts[False], counts[True]
+    assert plain["layer_ops"]["gemm"] == 7 and sum(plain["layer_ops"].values()) >= 35
+    assert plain["layer"]["elementwise"] > 2.5 * fused["layer"]["fused"]
+    # the same weights: the fused GEMMs read the activations once per group instead of once per projection
+    assert 0 < plain["layer"]["gemm"] - fused["layer"]["gemm"] < 0.05 * plain["layer"]["gemm"]
+    # the sampler: an fp32 copy, max, subtract, exp, fp64 cumsum against one read of the bf16 logits and a tile
+    assert plain["head"]["elementwise"] > 10 * (fused["head"]["fused"] + fused["head"]["elementwise"])

@@ -1,9 +1,10 @@
-"""The sampler in two kernels that read the logits once: temperature, greedy or inverse-CDF draw, and the token's
-logprob, from the lm_head's logits in their own dtype.
+"""The sampler in two kernels that read the logits once: temperature, top-k, greedy or inverse-CDF draw, and the
+token's logprob, from the lm_head's logits in their own dtype.
 
-What it computes is `fastgrpo.sampling.sampler.sample` without top-k/top-p, per row (logits x [V], uniform u):
+What it computes is `fastgrpo.sampling.sampler.sample` without top-p, per row (logits x [V], uniform u):
 
-    z = x / temperature  (fp32, correctly rounded; greedy: z = x),   M = max z,   w_v = exp(z_v - M),   W = sum w
+    z = x / temperature  (fp32, correctly rounded; greedy: z = x),  z_v = -inf where z_v < kth / temperature (top-k:
+    kth is the row's k-th largest logit, from torch.topk),  M = max z,  w_v = exp(z_v - M),  W = sum w
     token = argmax z (first)                              greedy
           = the v with cdf_{v-1} <= u W < cdf_v           sampled (cdf: fp64 running sum of w)
     logprob = fp64(z_token - M) - log W
@@ -28,28 +29,42 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def _processed(row_ptr, kth_ptr, cols, mask, temperature, SCALED: tl.constexpr, TOP_K: tl.constexpr):
+    """The row's logits as `processed_logits` makes them: / temperature (correctly rounded), -inf below the k-th."""
+    z = tl.load(row_ptr + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    if SCALED:
+        z = tl.div_rn(z, temperature)
+    if TOP_K:
+        kth = tl.load(kth_ptr)
+        if SCALED:
+            kth = tl.div_rn(kth, temperature)
+        z = tl.where(z >= kth, z, -float("inf"))
+    return z
+
+
+@triton.jit
 def _tile_stats_kernel(
     Logits,  # [R, V] any float dtype
     TileMax,  # [R, NUM_TILES] fp32
     TileSum,  # [R, NUM_TILES] fp32
     TileArg,  # [R, NUM_TILES] int32
+    Kth,  # [R] fp32: each row's k-th largest logit (top-k; unused without TOP_K)
     stride_l,
     V,
     temperature,
     NUM_TILES: tl.constexpr,
     SCALED: tl.constexpr,
+    TOP_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < V
-    z = tl.load(Logits + row * stride_l + cols, mask=mask, other=-float("inf")).to(tl.float32)
-    if SCALED:
-        z = tl.div_rn(z, temperature)
+    z = _processed(Logits + row * stride_l, Kth + row, cols, mask, temperature, SCALED, TOP_K)
     m = tl.max(z, axis=0)
     arg = tl.min(tl.where(z == m, cols, V), axis=0)  # the first index of the max, as torch.argmax
-    s = tl.sum(tl.where(mask, tl.exp(z - m), 0.0), axis=0)
+    s = tl.sum(tl.where(z > -float("inf"), tl.exp(z - m), 0.0), axis=0)  # a tile all outside the top k sums to 0
     tl.store(TileMax + row * NUM_TILES + tile, m)
     tl.store(TileSum + row * NUM_TILES + tile, s)
     tl.store(TileArg + row * NUM_TILES + tile, arg)
@@ -61,6 +76,7 @@ def _pick_kernel(
     TileMax,
     TileSum,
     TileArg,
+    Kth,
     U,  # [R] fp64 uniforms (unused when GREEDY)
     Tokens,  # [R] int64 out
     Logprobs,  # [R] fp32 out
@@ -70,6 +86,7 @@ def _pick_kernel(
     NUM_TILES: tl.constexpr,
     BLOCK_T: tl.constexpr,
     SCALED: tl.constexpr,
+    TOP_K: tl.constexpr,
     GREEDY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -92,10 +109,8 @@ def _pick_kernel(
         before = tl.sum(tl.where(t < tile, mass, 0.0), axis=0)
         cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         mask = cols < V
-        z = tl.load(Logits + row * stride_l + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        if SCALED:
-            z = tl.div_rn(z, temperature)
-        w = tl.where(mask, tl.exp(z - top), 0.0)
+        z = _processed(Logits + row * stride_l, Kth + row, cols, mask, temperature, SCALED, TOP_K)
+        w = tl.where(z > -float("inf"), tl.exp(z - top), 0.0)
         cdf = before + tl.cumsum(w.to(tl.float64), axis=0)
         last = tl.minimum(V - tile * BLOCK_V, BLOCK_V) - 1  # the tile's last valid column
         k = tl.minimum(tl.sum((cdf <= target) & mask, axis=0), last)
@@ -110,6 +125,7 @@ def fused_sample(
     logits: torch.Tensor,  # [R, V], the lm_head's dtype
     temperature: float,  # 0: greedy
     u: torch.Tensor | None,  # [R] fp64 in (0, 1); None when greedy
+    kth: torch.Tensor | None = None,  # [R] fp32: each row's k-th largest logit, for top-k (torch.topk's last value)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [R] int64, logprobs [R] fp32
     """A torch custom op (torch.ops.fastgrpo.sample), so that fake tensors trace it and a byte counter sees it."""
     assert logits.dim() == 2 and logits.stride(-1) == 1
@@ -125,18 +141,22 @@ def fused_sample(
     if not rows:
         return tokens, logprobs
     scaled = not greedy and temperature != 1
+    top_k = not greedy and kth is not None  # greedy samples the raw logits, as processed_logits does
+    if top_k:
+        assert kth.shape == (rows,) and kth.dtype == torch.float32
+    kth = kth.contiguous() if top_k else tile_max  # topk(...).values[:, -1] is a strided view
     _tile_stats_kernel[(rows, num_tiles)](
-        logits, tile_max, tile_sum, tile_arg, logits.stride(0), vocab, float(temperature or 1),
-        NUM_TILES=num_tiles, SCALED=scaled, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
+        logits, tile_max, tile_sum, tile_arg, kth, logits.stride(0), vocab, float(temperature or 1),
+        NUM_TILES=num_tiles, SCALED=scaled, TOP_K=top_k, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
     )  # fmt: skip
     _pick_kernel[(rows,)](
-        logits, tile_max, tile_sum, tile_arg, tile_max if greedy else u, tokens, logprobs, logits.stride(0), vocab,
-        float(temperature or 1), NUM_TILES=num_tiles, BLOCK_T=max(16, triton.next_power_of_2(num_tiles)),
-        SCALED=scaled, GREEDY=greedy, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
+        logits, tile_max, tile_sum, tile_arg, kth, tile_max if greedy else u, tokens, logprobs, logits.stride(0),
+        vocab, float(temperature or 1), NUM_TILES=num_tiles, BLOCK_T=max(16, triton.next_power_of_2(num_tiles)),
+        SCALED=scaled, TOP_K=top_k, GREEDY=greedy, BLOCK_V=BLOCK_V, num_warps=NUM_WARPS,
     )  # fmt: skip
     return tokens, logprobs
 
 
 @fused_sample.register_fake
-def _(logits, temperature, u):
+def _(logits, temperature, u, kth=None):
     return logits.new_empty(logits.shape[0], dtype=torch.long), logits.new_empty(logits.shape[0], dtype=torch.float32)

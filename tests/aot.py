@@ -142,18 +142,19 @@ def silu_mul(dt):
 
 
 def sample_tile_stats(dt):
-    """Over the lm_head's logits (Qwen2.5's vocabulary: 74 tiles), temperature on."""
-    sig = dict(Logits=f"*{dt}", TileMax="*fp32", TileSum="*fp32", TileArg="*i32", stride_l="i32", V="i32",
-               temperature="fp32")
-    consts = dict(NUM_TILES=triton.cdiv(151936, sampling.BLOCK_V), SCALED=True, BLOCK_V=sampling.BLOCK_V)
+    """Over the lm_head's logits (Qwen2.5's vocabulary: 75 tiles), temperature and top-k on."""
+    sig = dict(Logits=f"*{dt}", TileMax="*fp32", TileSum="*fp32", TileArg="*i32", Kth="*fp32", stride_l="i32",
+               V="i32", temperature="fp32")
+    consts = dict(NUM_TILES=triton.cdiv(151936, sampling.BLOCK_V), SCALED=True, TOP_K=True,
+                  BLOCK_V=sampling.BLOCK_V)
     return sampling._tile_stats_kernel, sig, consts, sampling.NUM_WARPS, 1
 
 
 def sample_pick(dt):
-    sig = dict(Logits=f"*{dt}", TileMax="*fp32", TileSum="*fp32", TileArg="*i32", U="*fp64", Tokens="*i64",
-               Logprobs="*fp32", stride_l="i32", V="i32", temperature="fp32")
+    sig = dict(Logits=f"*{dt}", TileMax="*fp32", TileSum="*fp32", TileArg="*i32", Kth="*fp32", U="*fp64",
+               Tokens="*i64", Logprobs="*fp32", stride_l="i32", V="i32", temperature="fp32")
     tiles = triton.cdiv(151936, sampling.BLOCK_V)
-    consts = dict(NUM_TILES=tiles, BLOCK_T=triton.next_power_of_2(tiles), SCALED=True, GREEDY=False,
+    consts = dict(NUM_TILES=tiles, BLOCK_T=triton.next_power_of_2(tiles), SCALED=True, TOP_K=True, GREEDY=False,
                   BLOCK_V=sampling.BLOCK_V)
     return sampling._pick_kernel, sig, consts, sampling.NUM_WARPS, 1
 

@@ -161,10 +161,10 @@ def test_silu_mul_kernel():
 
 @interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("temperature", [0, 1.0, 0.6])
-def test_fused_sampler_matches_the_pytorch_sampler(dtype, temperature):
+@pytest.mark.parametrize("temperature,top_k", [(0, 0), (1.0, 0), (0.6, 0), (0.6, 300), (1.0, 1), (0, 300)])
+def test_fused_sampler_matches_the_pytorch_sampler(dtype, temperature, top_k):
     """Same tokens, logprobs to 1e-6, over several vocabulary tiles (the last one partial), from logits in the
-    lm_head's dtype."""
+    lm_head's dtype, with top-k as the engine passes it (torch.topk's k-th value)."""
     from fastgrpo.kernels.sampling import BLOCK_V, fused_sample
 
     rows, vocab = 64, 2 * BLOCK_V + 333
@@ -172,14 +172,23 @@ def test_fused_sampler_matches_the_pytorch_sampler(dtype, temperature):
     logits = (torch.randn(rows, vocab, generator=g) * 4).to(dtype)
     logits[3, 5] = logits[3, BLOCK_V + 7] = logits[3].max() + 1  # a tie across tiles: the first index wins
     u = None if temperature == 0 else uniforms(7, torch.arange(rows), torch.full((rows,), 2))
-    tokens, logprobs = fused_sample(logits, temperature, u)
-    want_tokens, want_logprobs = sample(logits.float(), SamplingParams(temperature=temperature), u)
+    kth = torch.topk(logits, top_k, dim=-1).values[:, -1].float() if top_k else None
+    tokens, logprobs = fused_sample(logits, temperature, u, kth)
+    params = SamplingParams(temperature=temperature, top_k=top_k)
+    want_tokens, want_logprobs = sample(logits.float(), params, u)
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=1e-6)
     if temperature == 0:
         assert tokens[3] == 5
-    else:  # the draws spread over the tiles
+    elif top_k == 1:  # a maximum (row 3 has two; bf16 rows may tie too), each of probability 1 / ties
+        top = logits.max(-1, keepdim=True).values
+        assert torch.equal(logits.gather(1, tokens[:, None]), top)
+        torch.testing.assert_close(logprobs, -(logits == top).sum(-1).float().log(), rtol=0, atol=1e-6)
+    elif top_k == 0:  # the draws spread over the tiles
         assert len(set((tokens // BLOCK_V).tolist())) == 3
+    if top_k and temperature:
+        kept = logits.float() >= kth[:, None]
+        assert kept.gather(1, tokens[:, None]).all()
 
 
 @interpreter

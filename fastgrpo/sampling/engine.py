@@ -7,7 +7,7 @@
 The engine owns no weights. Llama/Qwen2/Qwen3 models run through the engine's own decoder layers over the model's
 parameters (decode_layers.py: fused q/k/v and gate/up GEMMs, fused elementwise kernels); other models run their own
 modules with attention swapped (transformers' AttentionInterface) for the duration of `generate`. On CUDA the
-sampler is two kernels that read the logits once (kernels/sampling.py) unless top-k or top-p is on. The KV pool is
+sampler is two kernels that read the logits once (kernels/sampling.py) unless top-p is on. The KV pool is
 allocated per call and released at its end, so the training step that follows gets the memory back.
 """
 
@@ -319,9 +319,12 @@ class Engine:
         return self._sample(logits, params, u)
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None):
-        filtered = 0 < params.top_k < logits.shape[-1] or params.top_p < 1
-        if self.fused_kernels and not filtered:
-            return fused_sample(logits, params.temperature, u)
+        """The fused sampler where Triton runs (top-k through torch.topk's k-th value); top-p needs a sort, and runs
+        the PyTorch sampler."""
+        if self.fused_kernels and params.top_p == 1:
+            top_k = not params.greedy and 0 < params.top_k < logits.shape[-1]
+            kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1].float() if top_k else None
+            return fused_sample(logits, params.temperature, u, kth)
         return sample(logits.float(), params, u)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:

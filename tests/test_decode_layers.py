@@ -85,6 +85,19 @@ def test_fused_model_saves_and_loads(tmp_path):
         assert torch.equal(p, q), name
 
 
+def test_lora_added_after_the_engine_is_seen():
+    """get_peft_model wraps the projections in place: the next generate runs transformers' modules, with LoRA."""
+    peft = pytest.importorskip("peft")
+    model = tiny("qwen2")
+    engine = Engine(model)
+    params = SamplingParams(temperature=0, max_new_tokens=6, **NO_STOP)
+    plain = engine.generate([[5, 6, 7]], params=params)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    adapted = engine.generate([[5, 6, 7]], params=params)
+    assert engine.decoder is None and "layers[0].q_proj is a Linear" in engine.layers
+    assert adapted == Engine(lora).generate([[5, 6, 7]], params=params) and adapted != plain
+
+
 def test_other_models_keep_transformers_modules():
     peft = pytest.importorskip("peft")
     lora = peft.get_peft_model(tiny("qwen2"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

@@ -62,7 +62,9 @@ def build_model(workload: Workload):
 
 
 def _caller(method: str, model, workload: Workload):
-    """A no-argument call that samples the workload with `method`, and a function counting its new tokens."""
+    """A no-argument call that samples the workload with `method`, a function counting its new tokens, and one
+    giving the steps of the last call (fastgrpo's own count, which CUDA-graph replays are in; None: count the
+    forwards)."""
     from transformers import GenerationConfig
 
     from fastgrpo.sampling import Engine, SamplingParams
@@ -73,28 +75,30 @@ def _caller(method: str, model, workload: Workload):
         engine = Engine(model, max_num_seqs=num_seqs, max_num_batched_tokens=max(4096, num_seqs))
         params = SamplingParams(temperature=1.0, max_new_tokens=new, stop_token_ids=(), seed=0)
         return (lambda: engine.generate(prompts, n=group, params=params),
-                lambda out: sum(len(c.token_ids) for completions in out for c in completions))
+                lambda out: sum(len(c.token_ids) for completions in out for c in completions),
+                lambda: engine.stats.num_steps)
     if method == "hf_generate":
         ids = torch.tensor(prompts, device=workload.device)
         return (lambda: model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
                                        top_k=0, top_p=1.0, max_new_tokens=new, num_return_sequences=group,
                                        eos_token_id=None, pad_token_id=0),
-                lambda out: (out.shape[1] - workload.prompt_len) * out.shape[0])
+                lambda out: (out.shape[1] - workload.prompt_len) * out.shape[0], None)
     if method == "generate_batch":
         config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
                                   eos_token_id=None, pad_token_id=0)
         inputs = [p for p in prompts for _ in range(group)]
         return (lambda: model.generate_batch(inputs=inputs, generation_config=config, progress_bar=False),
-                lambda out: sum(len(o.generated_tokens) for o in out.values()))
+                lambda out: sum(len(o.generated_tokens) for o in out.values()), None)
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
 class ForwardTimer:
-    """Counts the model's forwards and, on a CPU (where a forward is synchronous), the seconds spent in them."""
+    """Counts the forwards (`owner.<name>`: the model's `forward`; for fastgrpo `Engine._forward`, which runs its own
+    decode layers or the model's modules) and, on a CPU (where a forward is synchronous), the seconds in them."""
 
-    def __init__(self, model, device: torch.device):
+    def __init__(self, owner, name: str, device: torch.device):
         self.calls, self.seconds, self.timed = 0, 0.0, device.type == "cpu"
-        forward = model.forward
+        forward = getattr(owner, name)
 
         def timed_forward(*args, **kwargs):
             start = time.perf_counter()
@@ -104,7 +108,7 @@ class ForwardTimer:
                 self.calls += 1
                 self.seconds += time.perf_counter() - start
 
-        model.forward = timed_forward
+        setattr(owner, name, timed_forward)
 
     def reset(self) -> None:
         self.calls, self.seconds = 0, 0.0
@@ -140,12 +144,15 @@ def measure(method: str, workload: Workload) -> dict:
 
 
 def _timed_row(method: str, workload: Workload, model, device: torch.device) -> dict:
-    forwards = ForwardTimer(model, device)
+    from fastgrpo.sampling import Engine
+
+    forwards = ForwardTimer(Engine, "_forward", device) if method == "fastgrpo" else ForwardTimer(model, "forward",
+                                                                                                   device)
     sampling = SampleTimer() if method == "fastgrpo" and forwards.timed else None
     small = Workload(**{**asdict(workload), "prompts": 1, "group_size": 2, "max_new_tokens": 8})
-    warm, _ = _caller(method, model, small)
+    warm, _, _ = _caller(method, model, small)
     warm()
-    call, count = _caller(method, model, workload)
+    call, count, steps_of_call = _caller(method, model, workload)
     forwards.reset()
     if sampling:
         sampling.seconds = 0.0
@@ -153,7 +160,7 @@ def _timed_row(method: str, workload: Workload, model, device: torch.device) -> 
     tokens = count(out)
     expected = workload.prompts * workload.group_size * workload.max_new_tokens
     assert tokens == expected, f"{method} generated {tokens} tokens, expected {expected}"
-    steps = forwards.calls // workload.repeats  # forwards per call
+    steps = forwards.calls // workload.repeats if steps_of_call is None else steps_of_call()  # per call
     row = {"method": method, **asdict(workload), "sequences": workload.prompts * workload.group_size,
            "generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
            "peak_memory_bytes": peak_bytes, "steps": steps, "ms_per_step": seconds / steps * 1e3}

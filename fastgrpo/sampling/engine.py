@@ -192,8 +192,12 @@ class Engine:
                               self.config.max_num_batched_tokens)  # fmt: skip
         finish = self._finish_check(params, outputs)
         self.stats = GenerateStats(num_blocks=num_blocks)
-        if self.decoder is not None:
-            self.decoder.refresh()
+        if self.decoder is not None:  # the model may have changed since: LoRA wrapped in place, hooks, `.to()`
+            reason = unsupported(self.hf_model)
+            if reason is None:
+                self.decoder.refresh()
+            else:
+                self.decoder, self.layers = None, f"transformers ({reason})"
         with self._sampling_mode():
             # One page past the pool: scratch for the padding rows of CUDA graphs.
             kv_cache = torch.zeros(

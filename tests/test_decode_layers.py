@@ -220,3 +220,27 @@ def test_triton_engine_samples_the_torch_engines_tokens():
         for g_c, w_c in zip(g_group, w_group, strict=True):
             assert g_c.token_ids == w_c.token_ids
             torch.testing.assert_close(torch.tensor(g_c.logprobs), torch.tensor(w_c.logprobs), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("ops", ["torch", "triton"])
+def test_decode_forward_has_no_host_syncs(ops):
+    """One graph, no graph breaks (torch._dynamo.explain) for a decode step's forward: nothing in it reads a device
+    value on the host, so a CUDA graph captures it whole."""
+    from fastgrpo.sampling.attention import build_paged_batch
+    from fastgrpo.sampling.batch import DecodeBatch
+
+    if ops == "triton":
+        from fastgrpo.kernels import decode_ops  # noqa: F401
+    engine = Engine(tiny("qwen3"), block_size=4)
+    engine.decoder.ops = ops
+    seqs, pages, context = 6, 4, 13
+    kv_cache = torch.zeros(engine.num_layers, 2, seqs * pages, 4, engine.num_kv_heads, engine.head_dim)
+    batch = DecodeBatch(seqs, pages, 4, engine.device)
+    batch.seqs, batch.context_h[:seqs], batch.pages_h[:seqs] = [None] * seqs, context - 1, pages
+    batch.block_tables[:seqs] = torch.arange(seqs * pages, dtype=torch.int32).view(seqs, pages)
+    rows = batch.inputs()
+    paged = build_paged_batch(kv_cache, [], [], [], [], "torch", engine.num_heads // engine.num_kv_heads, rows=rows,
+                              rows_max_context=context)  # fmt: skip
+    with engine._sampling_mode():
+        explained = torch._dynamo.explain(engine._forward)(rows["input_ids"], rows["positions"], paged)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

@@ -241,6 +241,9 @@ def test_decode_forward_has_no_host_syncs(ops):
     rows = batch.inputs()
     paged = build_paged_batch(kv_cache, [], [], [], [], "torch", engine.num_heads // engine.num_kv_heads, rows=rows,
                               rows_max_context=context)  # fmt: skip
-    with engine._sampling_mode():
-        explained = torch._dynamo.explain(engine._forward)(rows["input_ids"], rows["positions"], paged)
+    try:
+        with engine._sampling_mode():
+            explained = torch._dynamo.explain(engine._forward)(rows["input_ids"], rows["positions"], paged)
+    finally:
+        torch._dynamo.reset()
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons

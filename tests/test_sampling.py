@@ -269,7 +269,10 @@ def test_kv_pool_is_released():
     engine = Engine(model, block_size=4)
     engine.generate(prompts_for(4), n=4, params=SamplingParams(max_new_tokens=8, seed=0))
     gc.collect()
-    pools = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and obj.dim() == 6]
+    from torch._subclasses.fake_tensor import FakeTensor  # dynamo's caches may keep fakes of other tests' pools
+
+    pools = [obj for obj in gc.get_objects()
+             if isinstance(obj, torch.Tensor) and not isinstance(obj, FakeTensor) and obj.dim() == 6]
     assert not pools and engine.stats.num_blocks > 0
 
 

@@ -523,6 +523,31 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
     return result
 
 
+@contextlib.contextmanager
+def _attention_output_only():
+    """The CPU's torch attention backend replaced by what the CUDA triton backend allocates: its [T, heads, d] output
+    (the CPU backend gathers each sequence's pages into a padded copy per layer, which a GPU never makes)."""
+    from fastgrpo.sampling import attention as paged
+
+    original = paged.BACKENDS["torch"]
+    paged.BACKENDS["torch"] = lambda query, k_cache, v_cache, batch, scale: torch.empty_like(query)
+    try:
+        yield
+    finally:
+        paged.BACKENDS["torch"] = original
+
+
+def _decode_rows(num_sequences: int, pages: int, block_size: int, context_length: int, device):
+    """A DecodeBatch of `num_sequences` rows whose contexts end at `context_length` (this step's token included)."""
+    from fastgrpo.sampling.batch import DecodeBatch
+
+    batch = DecodeBatch(num_sequences, pages, block_size, device)
+    batch.seqs = [None] * num_sequences  # rows only: the step reads their host mirrors
+    batch.context_h[:num_sequences] = context_length - 1
+    batch.pages_h[:num_sequences] = pages
+    return batch
+
+
 def trace_decode_step(model_config, *, dtype: torch.dtype = torch.bfloat16, num_sequences: int = 64,
                       context_length: int = 1280, load_in_4bit: bool = False, use_peft: bool = False,
                       lora_r: int = 16, block_size: int = 16, attention: str = "triton", params=None) -> dict:
@@ -547,8 +572,6 @@ def trace_decode_step(model_config, *, dtype: torch.dtype = torch.bfloat16, num_
         decode       peak during the step: the forward and the sampler, the pool and weights included
         forward      peak during the forward alone
     """
-    from fastgrpo.sampling import attention as paged
-    from fastgrpo.sampling.batch import DecodeBatch
     from fastgrpo.sampling.block_pool import blocks_for
     from fastgrpo.sampling.engine import Engine
     from fastgrpo.sampling.params import SamplingParams
@@ -571,28 +594,19 @@ def trace_decode_step(model_config, *, dtype: torch.dtype = torch.bfloat16, num_
         result["weights"] = live.base
         itemsize = torch.empty((), dtype=engine.dtype).element_size()
         page_bytes = 2 * engine.num_layers * block_size * engine.num_kv_heads * engine.head_dim * itemsize
-        original = paged.BACKENDS["torch"]
-        if attention == "triton":
-            paged.BACKENDS["torch"] = lambda query, k_cache, v_cache, batch, scale: torch.empty_like(query)
-        try:
-            with live, _AssumeValid():
-                with live.phase("kv_cache"):
-                    kv_cache = torch.zeros(engine.num_layers, 2, S * pages, block_size, engine.num_kv_heads,
-                                           engine.head_dim, dtype=engine.dtype)
-                result["kv_cache"] = live.current - live.base
-                batch = DecodeBatch(S, pages, block_size, engine.device)
-                batch.seqs = [None] * S  # rows only: the step reads their host mirrors
-                batch.context_h[:S] = context_length - 1
-                batch.pages_h[:S] = pages
-                u = torch.empty(S, dtype=torch.float64)  # each row's uniform (Outputs.uniforms)
-                with live.phase("decode"), engine._sampling_mode():
-                    rows = batch.inputs()
-                    with live.phase("forward"):
-                        logits = engine._eager_forward(rows, batch.max_context(), None, kv_cache)
-                    tokens, logprobs = sample(logits.float(), params, None if params.greedy else u)
-                    del logits
-        finally:
-            paged.BACKENDS["torch"] = original
+        with _attention_output_only() if attention == "triton" else contextlib.nullcontext(), live, _AssumeValid():
+            with live.phase("kv_cache"):
+                kv_cache = torch.zeros(engine.num_layers, 2, S * pages, block_size, engine.num_kv_heads,
+                                       engine.head_dim, dtype=engine.dtype)
+            result["kv_cache"] = live.current - live.base
+            batch = _decode_rows(S, pages, block_size, context_length, engine.device)
+            u = torch.empty(S, dtype=torch.float64)  # each row's uniform (Outputs.uniforms)
+            with live.phase("decode"), engine._sampling_mode():
+                rows = batch.inputs()
+                with live.phase("forward"):
+                    logits = engine._eager_forward(rows, batch.max_context(), None, kv_cache)
+                tokens, logprobs = sample(logits.float(), params, None if params.greedy else u)
+                del logits
     result["kv_scratch"] = page_bytes
     result.update({name: live.peaks[name] for name in ("decode", "forward")})
     result["seconds"] = time.perf_counter() - start
@@ -614,7 +628,6 @@ class BytesMoved(TorchDispatchMode):
         super().__init__()
         self.bytes: dict[str, int] = {"gemm": 0, "fused": 0, "elementwise": 0}
         self.ops: dict[str, int] = {"gemm": 0, "fused": 0, "elementwise": 0}  # kernel launches (one per op)
-        self.log: list[tuple[str, str, int]] = []  # (kind, op, bytes) in order
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -627,7 +640,6 @@ class BytesMoved(TorchDispatchMode):
                 "gemm" if name in ("mm", "addmm", "bmm", "baddbmm") else "elementwise")
         self.bytes[kind] += moved
         self.ops[kind] += 1
-        self.log.append((kind, str(func), moved))
         return out
 
     @staticmethod
@@ -671,8 +683,7 @@ def count_decode_bytes(model_config, *, fused: bool, dtype: torch.dtype = torch.
     "head": ..., "head_ops": ..., "attention_kv_bytes": int}: per decoder layer (the difference of a model with one
     layer more), and the rest of the step (embedding, rotary tables, final norm, lm_head, sampler).
     """
-    from fastgrpo.sampling import attention as paged
-    from fastgrpo.sampling.batch import DecodeBatch
+    from fastgrpo.sampling.attention import build_paged_batch
     from fastgrpo.sampling.block_pool import blocks_for
     from fastgrpo.sampling.engine import Engine
     from fastgrpo.sampling.params import SamplingParams
@@ -689,31 +700,22 @@ def count_decode_bytes(model_config, *, fused: bool, dtype: torch.dtype = torch.
         built = _build(layer_config, dtype, use_peft=False, lora_r=0, lora_alpha=0, lora_dropout=0.0,
                        load_in_4bit=False, gradient_checkpointing=False, offload_activations=False,
                        attn_implementation=None, live=None)
-        original = paged.BACKENDS["torch"]
-        paged.BACKENDS["torch"] = lambda query, k_cache, v_cache, batch, scale: torch.empty_like(query)
-        try:
-            with built.fake, _AssumeValid():
-                engine = Engine(built.model, block_size=block_size, attention="torch", fused_layers=fused)
-                if fused:
-                    from fastgrpo.kernels import decode_ops  # noqa: F401
+        with _attention_output_only(), built.fake, _AssumeValid():
+            engine = Engine(built.model, block_size=block_size, attention="torch", fused_layers=fused)
+            if fused:
+                from fastgrpo.kernels import decode_ops  # noqa: F401
 
-                    engine.decoder.ops, engine.fused_kernels = "triton", True
-                kv_cache = torch.zeros(layers, 2, S * pages, block_size, engine.num_kv_heads, engine.head_dim,
-                                       dtype=engine.dtype)
-                batch = DecodeBatch(S, pages, block_size, engine.device)
-                batch.seqs = [None] * S
-                batch.context_h[:S] = context_length - 1
-                batch.pages_h[:S] = pages
-                u = None if params.greedy else torch.empty(S, dtype=torch.float64)
-                with engine._sampling_mode():
-                    rows = batch.inputs()
-                    paged_batch = paged.build_paged_batch(kv_cache, [], [], [], [], "torch", 1, rows=rows,
-                                                          rows_max_context=context_length)
-                    with BytesMoved() as moved:
-                        logits = engine._forward(rows["input_ids"], rows["positions"], paged_batch)
-                        engine._sample(logits, params, u)
-        finally:
-            paged.BACKENDS["torch"] = original
+                engine.decoder.ops, engine.fused_kernels = "triton", True
+            kv_cache = torch.zeros(layers, 2, S * pages, block_size, engine.num_kv_heads, engine.head_dim,
+                                   dtype=engine.dtype)
+            rows = _decode_rows(S, pages, block_size, context_length, engine.device).inputs()
+            u = None if params.greedy else torch.empty(S, dtype=torch.float64)
+            with engine._sampling_mode():
+                paged_batch = build_paged_batch(kv_cache, [], [], [], [], "torch", 1, rows=rows,
+                                                rows_max_context=context_length)
+                with BytesMoved() as moved:  # the forward and the sampler, not the batch's set-up
+                    logits = engine._forward(rows["input_ids"], rows["positions"], paged_batch)
+                    engine._sample(logits, params, u)
         counts.append(moved)
     one, two = counts
     layer = {kind: two.bytes[kind] - one.bytes[kind] for kind in one.bytes}

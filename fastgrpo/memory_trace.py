@@ -251,7 +251,7 @@ def _load_config(model_config):
 
 def _quantize_4bit(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Replaces every nn.Linear but the output head by a bitsandbytes Linear4bit (QLoRA's NF4, blocks of 64, double
-    quantization, computing in `dtype`, as fastgrpo.train.model.four_bit asks transformers for). Inside fake mode;
+    quantization, computing in `dtype`, as fastgrpo.train.quantization.four_bit asks for). Inside fake mode;
     returns the number of layers replaced."""
     bnb = _bnb_qmaps()
     head = model.get_output_embeddings()
@@ -312,7 +312,7 @@ class _Built:
 
 def _build(config, dtype, *, use_peft, lora_r, lora_alpha, lora_dropout, load_in_4bit, gradient_checkpointing,
            offload_activations, attn_implementation, live: LiveBytes | None) -> _Built:
-    """fastgrpo.train.model.load_policy on fake tensors: the model from its config (nothing allocated), 4-bit linears,
+    """fastgrpo.train.loading.load_policy on fake tensors: the model from its config (nothing allocated), 4-bit linears,
     gradient checkpointing (and offload), use_cache off, then LoRA on all linear layers but the head."""
     from transformers import AutoModelForCausalLM
 
@@ -452,7 +452,8 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
     import fastgrpo.grpo_head
     from fastgrpo import chunked
     from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES, LossConfig
-    from fastgrpo.train.model import PLAIN_HEAD, PolicyLoss
+    from fastgrpo.train.loading import PLAIN_HEAD
+    from fastgrpo.train.policy_loss import PolicyLoss
     from fastgrpo.train.rollout import MicroBatch
 
     if head not in ("cpu", "cuda"):

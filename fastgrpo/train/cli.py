@@ -12,6 +12,7 @@ import threading
 import typing
 from pathlib import Path
 
+from fastgrpo.sizes import parse_size
 from fastgrpo.train.config import BUILTIN, DEFAULT_RECIPE, TrainConfig, field_types
 from fastgrpo.train.distributed import RankFailed
 
@@ -164,7 +165,7 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Prints the plan (with --auto-fit, of the settings it picks); exits 1 when a gpu_memory is given and the plan
     does not fit it."""
     from fastgrpo.train import plan as memory
-    from fastgrpo.train.model import model_config
+    from fastgrpo.train.loading import model_config
 
     device = args.device
     del args.device
@@ -172,8 +173,9 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         args.dataset_name = BUILTIN  # a plan reads no data; the option is required only to train
     try:
         config = resolve_config(args)
-        gpu = memory.parse_size(config.gpu_memory) if config.gpu_memory is not None else None
-        plan = memory.plan_run(config, memory.model_shapes(model_config(config)), device, gpu)
+        gpu = parse_size(config.gpu_memory) if config.gpu_memory is not None else None
+        shapes = memory.model_shapes(model_config(config))
+        plan = memory.plan_run(config, shapes, device, gpu)
     except (ValueError, TypeError, OSError) as e:
         parser.exit(2, f"fastgrpo plan: error: {e}\n")
     print(memory.format_plan(plan, gpu))
@@ -181,7 +183,8 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         picks = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in memory.fitted(config, plan).items())
         print("--auto-fit picks: " + picks)
     if gpu is not None and not plan.fits(gpu):
-        parser.exit(1, f"fastgrpo plan: does not fit; {memory.suggestions(config)}, or --auto-fit\n")
+        smaller = memory.what_would_fit(config, shapes, device, gpu)
+        parser.exit(1, f"fastgrpo plan: does not fit; {smaller}; or --auto-fit\n")
 
 
 def _leave_process_group() -> None:

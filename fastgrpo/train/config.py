@@ -14,9 +14,11 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 
 from fastgrpo.loss_config import LOSS_TYPES, LossConfig
+from fastgrpo.sizes import parse_size
 
 BUILTIN = "builtin"  # model_name_or_path / dataset_name of the built-in arithmetic task
 DEFAULT_RECIPE = Path(__file__).parent / "default.yaml"
@@ -190,8 +192,6 @@ class TrainConfig:
         _to_floats(self)
         _check_types(self)
         if self.gpu_memory is not None:
-            from fastgrpo.train.plan import parse_size
-
             parse_size(self.gpu_memory)  # a size, or a ValueError naming gpu_memory
         for name in ("kv_cache_blocks", "loss_chunk_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -320,6 +320,12 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"config file {path}: unknown options {unknown}")
         return cls(**{**values, **overrides})
+
+
+def train_dtype(config: TrainConfig, device_type: str) -> torch.dtype:
+    """The dtype the policy trains and samples in: bf16 where config.bf16 says so, by default on CUDA; else fp32."""
+    bf16 = config.bf16 if config.bf16 is not None else device_type == "cuda"
+    return torch.bfloat16 if bf16 else torch.float32
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.train.config import BUILTIN, TrainConfig, is_local_path, read_utf8
-from fastgrpo.train.model import max_positions, not_loadable
+from fastgrpo.train.loading import max_positions, not_loadable
 from fastgrpo.train.rewards import is_conversational
 
 FILE_FORMATS = (".jsonl", ".json", ".parquet")

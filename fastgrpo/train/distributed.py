@@ -148,7 +148,7 @@ def fully_shard(root: nn.Module, model: nn.Module, reduce_dtype: torch.dtype | N
     """FSDP2 on every decoder layer of `model`, then on `root` (the module whose forward runs the whole step, and
     that holds the embeddings, final norm and lm_head). Parameters stay in their dtype (bf16 on GPU); gradients are
     reduce-scattered in `reduce_dtype`."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy, register_fsdp_forward_method
     from torch.distributed.fsdp import fully_shard as shard
 
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype, cast_forward_inputs=False)
@@ -159,6 +159,8 @@ def fully_shard(root: nn.Module, model: nn.Module, reduce_dtype: torch.dtype | N
     for block in blocks:
         shard(block, mp_policy=policy)
     shard(root, mp_policy=policy)
+    if hasattr(root, "logprobs"):  # PolicyLoss's no-grad pass all-gathers the root's weights as its forward does
+        register_fsdp_forward_method(root, "logprobs")
     return root
 
 

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastgrpo.train.config import TrainConfig
+from fastgrpo.sampling.params import EngineConfig
+from fastgrpo.sizes import GiB
+from fastgrpo.train.config import TrainConfig, train_dtype
 
-GiB = 2**30
 # Left out of the device's memory before planning: the CUDA context (~0.5 GiB with cuBLAS and Triton loaded) and
 # the caching allocator's fragmentation (a few % of what it holds).
 RESERVE_BYTES = GiB // 2
@@ -30,6 +31,7 @@ RESERVE_FRACTION = 0.05
 NF4_BLOCK, NF4_STATE_BLOCK = 64, 256  # bitsandbytes: 4-bit blocks of 64 weights; double quantization's 256 scales
 ADAM8_BLOCK, ADAM8_MIN = 256, 4096  # bitsandbytes' 8-bit AdamW: a scale per 256 values; smaller tensors stay 32-bit
 SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 8  # fp32 logits, exp, fp64 cdf (fastgrpo/sampling/sampler.py)
+ENGINE = EngineConfig()  # the defaults the trainer's engine runs with
 CUDA_LOSS_BYTES_PER_LOGIT = 4 + 2  # fp32 logits and the bf16 dZ of a chunk (fastgrpo/chunked.py)
 
 
@@ -95,8 +97,7 @@ def usable(gpu_bytes: int) -> int:
 
 
 def dtype_bytes(config: TrainConfig, device_type: str) -> int:
-    bf16 = config.bf16 if config.bf16 is not None else device_type == "cuda"
-    return 2 if bf16 else 4
+    return train_dtype(config, device_type).itemsize
 
 
 def weight_bytes(s: Shapes, config: TrainConfig, b: int) -> int:
@@ -166,7 +167,7 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     `prompt_length` tokens (default max_prompt_length, or 512 without one)."""
     if shapes is None:
         if model_config is None:
-            from fastgrpo.train.model import model_config as read_model_config
+            from fastgrpo.train.loading import model_config as read_model_config
 
             model_config = read_model_config(config)
         shapes = model_shapes(model_config)
@@ -197,9 +198,10 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     bs = config.block_size
     needed = P * (prompt // bs + G * math.ceil((prompt % bs + config.max_completion_length) / bs))
     blocks = needed if kv_blocks is None else min(kv_blocks, needed)
-    rows = min(256, config.generation_batch_size)  # the engine's max_num_seqs
+    rows = min(ENGINE.max_num_seqs, config.generation_batch_size)
     kv = (blocks + 1) * kv_block_bytes(s, bs, b)
-    prefill = min(4096, P * prompt + rows) * layer_forward_per_token(s, config, b, training=False)
+    prefill_tokens = min(ENGINE.max_num_batched_tokens, P * prompt + rows)
+    prefill = prefill_tokens * layer_forward_per_token(s, config, b, training=False)
     sampling = {**resident, "KV pool": kv, "engine forward": max(prefill, rows * 2 * s.hidden * b),
                 "sampler": sampler_bytes(s, rows)}
 
@@ -275,7 +277,7 @@ def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: s
     raise ValueError(
         f"gpu_memory: {gpu_bytes / GiB:.1f} GiB ({limit / GiB:.1f} GiB for tensors) cannot fit even "
         f"per_device_train_batch_size 1: it needs {smallest.peak() / GiB:.1f} GiB ({describe_peak(smallest)}); "
-        + alternatives(config, shapes, device_type, gpu_bytes))
+        + what_would_fit(config, shapes, device_type, gpu_bytes))
 
 
 def plan_run(config: TrainConfig, shapes: Shapes, device_type: str, gpu_bytes: int | None,
@@ -302,8 +304,9 @@ def fitted(config: TrainConfig, plan: Plan) -> dict:
     return changes
 
 
-def alternatives(config: TrainConfig, shapes: Shapes, device_type: str, gpu_bytes: int) -> str:
-    """The memory options not yet on, added one by one, with the micro-batch-1 peak of each (and whether it fits)."""
+def what_would_fit(config: TrainConfig, shapes: Shapes, device_type: str, gpu_bytes: int) -> str:
+    """The memory options not yet on, added one by one until one fits, with the micro-batch-1 peak of each (and
+    whether it fits)."""
     import dataclasses
 
     steps = [{"use_peft": True}, {"load_in_4bit": True}, {"offload_activations": config.gradient_checkpointing},
@@ -328,21 +331,6 @@ def describe_peak(plan: Plan) -> str:
     return f"{phase}: " + ", ".join(f"{name} {n / GiB:.1f}" for name, n in parts)
 
 
-def suggestions(config: TrainConfig) -> str:
-    """What would make a plan smaller, among the options not yet on."""
-    options = []
-    if not config.use_peft:
-        options.append("--use-peft")
-    if config.use_peft and not config.load_in_4bit:
-        options.append("--load-in-4bit")
-    if config.optim != "adamw_8bit" and not config.use_peft:
-        options.append("--optim adamw_8bit")
-    if not config.offload_activations and config.gradient_checkpointing:
-        options.append("--offload-activations")
-    options.append("a shorter max_completion_length")
-    return "try " + ", ".join(options)
-
-
 def format_plan(plan: Plan, gpu_bytes: int | None = None) -> str:
     """The plan as a table: one column per phase, one row per component (GiB)."""
     names = list(dict.fromkeys(name for parts in plan.phases.values() for name in parts))
@@ -360,19 +348,3 @@ def format_plan(plan: Plan, gpu_bytes: int | None = None) -> str:
         lines.append(f"{verdict} in {gpu_bytes / GiB:.1f} GiB ({usable(gpu_bytes) / GiB:.1f} GiB for tensors after "
                      f"the CUDA context and allocator slack); peak {plan.peak() / GiB:.2f} GiB ({describe_peak(plan)})")
     return "\n".join(lines)
-
-
-def parse_size(text: str) -> int:
-    """'24GiB', '24GB', '24' (GiB), '80 GiB', '16000MiB' -> bytes."""
-    units = {"": GiB, "g": GiB, "gb": 10**9, "gib": GiB, "m": 2**20, "mb": 10**6, "mib": 2**20, "t": 2**40,
-             "tb": 10**12, "tib": 2**40}
-    stripped = text.strip().lower().replace(" ", "")
-    number = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = stripped[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = math.nan
-    if unit not in units or not value > 0 or math.isinf(value):
-        raise ValueError(f"gpu_memory: {text!r} is not a memory size such as 24GiB, 80GB or 16000MiB")
-    return int(value * units[unit])

@@ -218,7 +218,7 @@ class RewardModel:
                  chat_template_kwargs: dict | None = None):
         from transformers import AutoModelForSequenceClassification
 
-        from fastgrpo.train.model import not_loadable, tokenizer_from
+        from fastgrpo.train.loading import not_loadable, tokenizer_from
 
         if is_local_path(name) and not Path(name).expanduser().exists():
             raise ValueError(f"reward_funcs: {name} does not exist (a local path, so the hub was not asked); a "

@@ -45,9 +45,18 @@ from fastgrpo.memory import peak_memory, reset_peak_memory
 from fastgrpo.models import find_hf_model, stop_token_ids
 from fastgrpo.reference import RATIO_METRICS
 from fastgrpo.sampling import Engine, SamplingParams
+from fastgrpo.sizes import GiB, parse_size
 from fastgrpo.train import checkpoint, distributed, run_dir
-from fastgrpo.train.config import TrainConfig
+from fastgrpo.train.config import TrainConfig, train_dtype
 from fastgrpo.train.data import PromptOrder, answer_column, eval_subset, load_rows, prepare
+from fastgrpo.train.loading import (
+    PACKED_ATTENTION,
+    check_head,
+    load_policy,
+    load_reference,
+    load_tokenizer,
+    model_config,
+)
 from fastgrpo.train.logs import (
     PLOT_FILE,
     MetricsLog,
@@ -59,28 +68,17 @@ from fastgrpo.train.logs import (
     reward_metrics,
     summary_line,
 )
-from fastgrpo.train.model import (
-    PACKED_ATTENTION,
-    PolicyLoss,
-    bitsandbytes,
-    check_head,
-    load_policy,
-    load_reference,
-    load_tokenizer,
-    model_config,
-    train_dtype,
-)
 from fastgrpo.train.plan import (
-    GiB,
     describe_peak,
     fitted,
     format_plan,
     model_shapes,
-    parse_size,
     plan_run,
-    suggestions,
     usable,
+    what_would_fit,
 )
+from fastgrpo.train.policy_loss import PolicyLoss
+from fastgrpo.train.quantization import bitsandbytes
 from fastgrpo.train.rewards import Rewards, accuracy
 from fastgrpo.train.rollout import Rollout, group_advantages, micro_batch, micro_batches, sampler_importance_weights
 from fastgrpo.train.run_dir import RunDir
@@ -185,7 +183,8 @@ class Trainer:
         elif self.device.type == "cuda":
             gpu = torch.cuda.get_device_properties(self.device).total_memory
         longest = max(map(len, self.train_prompts.token_ids))
-        plan = plan_run(config, model_shapes(model_config(config)), self.device.type, gpu, prompt_length=longest)
+        shapes = model_shapes(model_config(config))
+        plan = plan_run(config, shapes, self.device.type, gpu, prompt_length=longest)
         if config.auto_fit:
             self.config = config = dataclasses.replace(config, **fitted(config, plan))
         self.plan_text = format_plan(plan, gpu)
@@ -195,7 +194,8 @@ class Trainer:
             if not plan.fits(gpu):
                 warnings.warn(f"the memory plan's peak, {plan.peak() / GiB:.1f} GiB, is over the "
                               f"{usable(gpu) / GiB:.1f} GiB that tensors can use of gpu_memory {gpu / GiB:.1f} GiB; "
-                              f"--auto-fit picks settings that fit, or {suggestions(config)}", stacklevel=2)
+                              "--auto-fit picks settings that fit; "
+                              + what_would_fit(config, shapes, self.device.type, gpu), stacklevel=2)
 
     def _load(self, resume_from: Path | None) -> None:
         """Tokenizer, prompts, rewards, policy (a checkpoint's weights on resume), reference, engine, the policy
@@ -213,7 +213,7 @@ class Trainer:
         self._plan_memory()  # before anything that depends on the micro-batch, which --auto-fit may change
         config = self.config
         self.rewards = Rewards(config.reward_funcs, config.reward_weights, config.max_completion_length, answers,
-                               self.device, train_dtype(config, self.device), config.trust_remote_code,
+                               self.device, train_dtype(config, self.device.type), config.trust_remote_code,
                                config.chat_template_kwargs)
 
         sharded = resume_from is not None and checkpoint.is_sharded(resume_from)
@@ -413,7 +413,7 @@ class Trainer:
             "sampling/preemptions": sum(part[3] for part in parts),
             **timer.metrics(),
             "tokens_per_second": float(lengths.sum()) / timer.total,
-            "peak_memory_gib": max(self.world.gather(peak_memory(self.device) / 2**30)),  # the fullest process's
+            "peak_memory_gib": max(self.world.gather(peak_memory(self.device) / GiB)),  # the fullest process's
         }
 
     def _score(self, prompts: list[int], outputs: list[list]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -526,7 +526,7 @@ class Trainer:
         out = {}
         for start in starts:
             mb = micro_batch(rollout, list(range(start, min(start + size, len(rollout)))), self.device)
-            logps = module(mb, temperature=self.config.temperature)  # [b, T]
+            logps = module.logprobs(mb, temperature=self.config.temperature)  # [b, T]
             out |= {i: row[: len(rollout.completion_ids[i])].float().cpu() for row, i in zip(logps, mb.index,
                                                                                                  strict=True)}
         module.train(was_training)

@@ -1,4 +1,5 @@
-"""The policy, its reference and tokenizer; the backbone forward that yields the hidden states of completion tokens."""
+"""Loading the policy, its reference and tokenizer: from a hub id, a folder, or the built-in model; the checks that
+fastgrpo's fused head computes the model's own logits."""
 
 import json
 from contextlib import contextmanager
@@ -9,11 +10,10 @@ from huggingface_hub import constants as hub_constants
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from fastgrpo.loss import fused_grpo_loss, head_transform, token_logprobs
-from fastgrpo.loss_config import LossConfig
-from fastgrpo.models import find_hf_model
+from fastgrpo.loss import head_transform
 from fastgrpo.sampling.engine import context_window
-from fastgrpo.train.config import BUILTIN, TrainConfig, is_local_path
+from fastgrpo.train.config import BUILTIN, TrainConfig, is_local_path, train_dtype
+from fastgrpo.train.quantization import bitsandbytes, four_bit
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 PACKED_ATTENTION = ("flash_attention_2", "flash_attention_3")  # varlen kernels: packing costs no extra FLOPs
@@ -64,11 +64,6 @@ def model_config(config: TrainConfig):
 def max_positions(config: TrainConfig) -> int | None:
     """The model's context window; None when its configuration does not say."""
     return context_window(model_config(config))
-
-
-def train_dtype(config: TrainConfig, device: torch.device) -> torch.dtype:
-    bf16 = config.bf16 if config.bf16 is not None else device.type == "cuda"
-    return torch.bfloat16 if bf16 else torch.float32
 
 
 GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
@@ -174,33 +169,6 @@ def _liger_loader():
     return AutoLigerKernelForCausalLM
 
 
-BITSANDBYTES_MIN = "0.50"  # NF4 layers and 8-bit optimizers on a CPU too
-
-
-def bitsandbytes(option: str):
-    """The bitsandbytes module, or an ImportError naming the option that needs it."""
-    from packaging.version import Version
-
-    try:
-        import bitsandbytes as bnb
-    except ImportError as e:
-        raise ImportError(f"{option} needs bitsandbytes>={BITSANDBYTES_MIN}: pip install 'fastgrpo[quant]' (or "
-                          f"bitsandbytes)") from e
-    if Version(bnb.__version__) < Version(BITSANDBYTES_MIN):
-        raise ImportError(f"{option} needs bitsandbytes>={BITSANDBYTES_MIN}, found {bnb.__version__}: "
-                          "pip install -U bitsandbytes")
-    return bnb
-
-
-def four_bit(dtype: torch.dtype):
-    """QLoRA's quantization: NF4 blocks of 64 with double quantization (the blocks' fp32 scales themselves 8-bit),
-    computing in `dtype`. transformers leaves the output head (and the embeddings, not linear layers) unquantized."""
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=dtype)
-
-
 def _from_pretrained(path: str, config: TrainConfig, dtype: torch.dtype, device: torch.device,
                      quantize: bool = False) -> PreTrainedModel:
     kwargs = {"dtype": dtype, "trust_remote_code": config.trust_remote_code}
@@ -227,7 +195,7 @@ def _from_pretrained(path: str, config: TrainConfig, dtype: torch.dtype, device:
 
 def load_policy(config: TrainConfig, device: torch.device, checkpoint: Path | None = None) -> torch.nn.Module:
     """The trainable policy: the model's initial weights, or a checkpoint's (its LoRA adapter with use_peft)."""
-    dtype = train_dtype(config, device)
+    dtype = train_dtype(config, device.type)
     path = str(checkpoint) if checkpoint is not None and not config.use_peft else model_path(config)
     model = _from_pretrained(path, config, dtype, device, quantize=config.load_in_4bit)
     if config.gradient_checkpointing:
@@ -259,70 +227,5 @@ def load_reference(config: TrainConfig, device: torch.device) -> PreTrainedModel
     """A frozen copy of the initial policy; None when beta = 0 (no KL) or with LoRA (the base, adapters off)."""
     if config.beta == 0 or config.use_peft:
         return None
-    model = _from_pretrained(model_path(config), config, train_dtype(config, device), device)
+    model = _from_pretrained(model_path(config), config, train_dtype(config, device.type), device)
     return model.eval().requires_grad_(False)
-
-
-def completion_hidden(model: torch.nn.Module, sequences: list[list[int]], prompt_lengths: list[int],
-                      max_completion: int, packed: bool) -> torch.Tensor:
-    """Last hidden states that predict each completion token: [B, max_completion, H] (rows past a completion's end
-    hold a copy of some other state; mask them).
-
-    sequences[i] = prompt_i + completion_i. Packed: one row, positions restarting per sequence (flash-attn varlen,
-    or transformers' block-diagonal mask elsewhere). Padded: right-padded to the longest sequence.
-    """
-    net = find_hf_model(model)
-    backbone = getattr(net, net.base_model_prefix)
-    device = net.get_input_embeddings().weight.device
-    lengths = [len(s) for s in sequences]
-    if packed:
-        input_ids = torch.tensor([t for s in sequences for t in s])[None]  # [1, sum L]
-        position_ids = torch.cat([torch.arange(n) for n in lengths])[None]  # [1, sum L]
-        hidden = backbone(input_ids=input_ids.to(device), position_ids=position_ids.to(device),
-                          use_cache=False).last_hidden_state
-        starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)  # [B]
-    else:
-        L = max(lengths)
-        input_ids = torch.zeros(len(sequences), L, dtype=torch.long)  # [B, L]
-        attention_mask = torch.zeros(len(sequences), L, dtype=torch.long)  # [B, L]
-        for i, s in enumerate(sequences):
-            input_ids[i, : len(s)] = torch.tensor(s)
-            attention_mask[i, : len(s)] = 1
-        hidden = backbone(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                          use_cache=False).last_hidden_state
-        starts = torch.arange(len(sequences)) * L  # [B]
-    hidden = hidden.reshape(-1, hidden.shape[-1])  # [tokens, H]
-    offsets = torch.arange(max_completion)  # [T]
-    last = torch.tensor(lengths) - 1  # [B] the final token predicts nothing
-    rows = starts[:, None] + torch.minimum(torch.tensor(prompt_lengths)[:, None] - 1 + offsets, last[:, None] - 1)
-    return hidden[rows.to(device)]  # [B, T, H]
-
-
-def lm_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    head = find_hf_model(model).get_output_embeddings()
-    return head.weight, getattr(head, "bias", None)
-
-
-class PolicyLoss(torch.nn.Module):
-    """One micro-batch through the model: the backbone, then from the lm_head either the fused GRPO loss (with a
-    LossConfig) or the completion tokens' logprobs (without). Under FSDP2 this module is the root: the embeddings,
-    final norm and lm_head (tied or not) are whole inside its forward, so the fused head reads the full weight and FSDP
-    reduce-scatters its gradient like any other; under DDP it is the module DDP wraps."""
-
-    def __init__(self, model: torch.nn.Module, packed: bool, head: dict):
-        super().__init__()
-        self.model = model
-        self.packed = packed
-        self.head = head  # the model's logit transform {logit_scale, logit_softcap} (check_head)
-
-    def forward(self, mb, config: LossConfig | None = None, num_items_in_batch: float | None = None,
-                temperature: float = 1.0):
-        hidden = completion_hidden(self.model, mb.sequences, mb.prompt_lengths, mb.mask.shape[1],
-                                   self.packed)  # [b, T, H]
-        weight, bias = lm_head(self.model)
-        if config is None:
-            return token_logprobs(hidden, weight, mb.completion_ids, bias=bias, temperature=temperature,
-                                  **self.head)[0]  # [b, T]
-        return fused_grpo_loss(hidden, weight, mb.completion_ids, mb.mask, mb.advantages, bias=bias,
-                               old_logps=mb.old_logps, ref_logps=mb.ref_logps, config=config,
-                               importance_weights=mb.importance_weights, num_items_in_batch=num_items_in_batch)

@@ -12,7 +12,7 @@ Per chunk of C selected tokens x_c [C, H], lm_head W [V, H], optional bias b [V]
 
 So a forward+backward is 3 GEMMs of 2 C H V FLOPs per chunk, the floor of any exact method (a bare linear layer's
 forward and backward), plus two passes over Z whose time is bytes / bandwidth. Nothing is recomputed and nothing
-is reduced with atomics. The row passes run as Triton kernels on CUDA (kernels/logit_rows.py) and in PyTorch
+is reduced with atomics. The row passes run as Triton kernels on CUDA (fastgrpo/kernels/logit_rows.py) and in PyTorch
 elsewhere, behind two torch.library ops; logits are formed in fp32 and never rounded to the input dtype before
 the logsumexp.
 
@@ -173,8 +173,8 @@ def unshifted_in_range(s: torch.Tensor) -> bool:
 
 # -- the row passes: registered ops, the compile boundary -------------------------------------------------------------
 # torch.compile traces the chunk loops around them (GEMMs, the objective's gradient) as plain PyTorch; each op is one
-# memory-bound pass over a chunk of logits: kernels/logit_rows.py on CUDA, the PyTorch below on a CPU. No host sync
-# leaves an op (the CPU's range check of the unshifted sums stays inside its kernel).
+# memory-bound pass over a chunk of logits: fastgrpo/kernels/logit_rows.py on CUDA, the PyTorch below on a CPU. No
+# host sync leaves an op (the CPU's range check of the unshifted sums stays inside its kernel).
 
 
 @torch.library.custom_op("fastgrpo::logit_row_stats", mutates_args=("scratch",))
@@ -254,7 +254,7 @@ def _logit_row_grad_cuda(z, ids, lse, entropy, g, h, scale, softcap, out):
                     scale=scale, softcap=softcap, out=z if out is None else out)
 
 
-class Rows:
+class LogitChunk:
     """One chunk of logits Z [C, V] and its row statistics (lse, logp, entropy [C]); `grad` writes dZ over Z or
     into a buffer of the GEMM dtype."""
 
@@ -284,11 +284,11 @@ class ChunkBuffers:
         empty = lambda: torch.empty(shape, dtype=dtype, device=x.device)
         self.z, self.scratch = (None, None) if x.is_cuda else (empty(), empty())
 
-    def rows(self, x_c, w, bias, logits: LogitMap, ids, entropy=True) -> Rows:
+    def rows(self, x_c, w, bias, logits: LogitMap, ids, entropy=True) -> LogitChunk:
         """The chunk's logits and row statistics; entropy=False (no-grad passes that do not want it) saves a pass."""
         C = x_c.shape[0]
         z = chunk_logits(x_c, w, bias, logits.scale, out=None if self.z is None else self.z[:C])
-        return Rows(z, ids, logits.softcap, entropy, self.scratch)
+        return LogitChunk(z, ids, logits.softcap, entropy, self.scratch)
 
 
 def logprobs_no_grad(x, weight, bias, ids, logits: LogitMap, entropy=True):

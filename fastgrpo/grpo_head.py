@@ -11,8 +11,8 @@ saved dX, dW, db by grad_output (`_GradientInForward`): three GEMMs in all, no r
 Sequence-level ratios (GSPO) need a whole sequence's logprobs before any of its gradients: chunks then hold whole
 sequences, and a sequence longer than a chunk takes two passes (its logprobs, then its chunks' logits again).
 
-`token_logprobs`: with no gradient one GEMM per chunk and the row statistics; with one, the backward forms each
-chunk's logits again (4 GEMMs in all), since the caller's loss is not known here.
+`head_logprobs` (behind fastgrpo.loss.token_logprobs): with no gradient one GEMM per chunk and the row statistics;
+with one, the backward forms each chunk's logits again (4 GEMMs in all), since the caller's loss is not known here.
 
 Which tokens are scored. Eager: only the valid ones (completion_mask != 0), selected with a nonzero (a host sync).
 Under torch.compile: every position of [B, T] with padding weighed 0, so that shapes are static and nothing syncs
@@ -195,7 +195,7 @@ def grpo_head_loss(hidden, weight, bias, completion_ids, completion_mask, advant
     return _GradientInForward.apply(loss, x, weight, bias, *grads), metrics
 
 
-# -- token_logprobs -------------------------------------------------------------------------------------------------
+# -- head_logprobs --------------------------------------------------------------------------------------------------
 
 
 def _token_logprobs_no_grad(hidden, weight, bias, token_ids, logits: LogitMap, entropy: bool):
@@ -233,7 +233,7 @@ class _TokenLogprobs(torch.autograd.Function):
         return None if dx is None else dx.view(hidden.shape), dw, db, None, None, None, None
 
 
-def token_logprobs(hidden, weight, bias, token_ids, logits: LogitMap, entropy: bool):
+def head_logprobs(hidden, weight, bias, token_ids, logits: LogitMap, entropy: bool):
     """(logp [...], entropy [...] or None) of token_ids [...] under hidden [..., H] @ weight [V, H].T (+ bias),
     >= fp32; differentiable w.r.t. hidden, weight and bias."""
     if any(_wants_grad(hidden, weight, bias)):

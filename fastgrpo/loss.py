@@ -2,13 +2,13 @@
 
 Paths (the environment variable FASTGRPO_BACKEND picks one; `auto` is `chunked`):
   chunked    the default, on every device (fastgrpo.grpo_head): per chunk of tokens a GEMM forms fp32 logits (cuBLAS
-             on a GPU), memory-bound row passes read them (Triton kernels on CUDA, kernels/logit_rows.py; PyTorch on a
-             CPU), and the training loss's gradient is computed in the forward: 3 GEMMs, no atomics, no recompute
+             on a GPU), memory-bound row passes read them (Triton kernels on CUDA, fastgrpo/kernels/logit_rows.py;
+             PyTorch on a CPU), and the training loss's gradient is computed in the forward: 3 GEMMs, no atomics,
+             no recompute
   reference  fastgrpo.reference: full logits; the yardstick
 
-The Triton kernels live in the repository's top-level `kernels/` folder, one op per file; setuptools installs that
-folder as `fastgrpo.kernels` (pyproject.toml's `package-dir`), so `fastgrpo.kernels.logit_rows` is
-`kernels/logit_rows.py`.
+The Triton kernels live in `fastgrpo/kernels/`, one op per file (inside the package, so that no top-level name
+`kernels` shadows PyPI's package of that name when Python runs from the repository root).
 """
 
 import math
@@ -183,7 +183,7 @@ def token_logprobs(hidden, weight, token_ids, *, bias=None, temperature=1.0, ret
         return reference.token_logprobs(hidden, weight, token_ids, bias=bias, temperature=temperature,
                                         return_entropy=return_entropy, logit_scale=logit_scale,
                                         logit_softcap=logit_softcap)
-    return grpo_head.token_logprobs(hidden, weight, bias, token_ids, logits, return_entropy)
+    return grpo_head.head_logprobs(hidden, weight, bias, token_ids, logits, return_entropy)
 
 
 def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=None, config: LossConfig,

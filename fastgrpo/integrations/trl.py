@@ -163,7 +163,7 @@ def _refuse(stage: str, *args, **trainer) -> None:
 _EXTREMES = {"clip_ratio/low_min": nanmin, "clip_ratio/high_max": nanmax}
 
 
-def _loss_config(args) -> LossConfig:
+def _loss_options(args) -> LossConfig:
     """TRL's GRPOConfig as fastgrpo's LossConfig."""
     if args.loss_type not in LOSS_TYPES:
         raise ValueError(f"FastGRPOTrainer does not support loss_type={args.loss_type!r}: supported are "
@@ -183,11 +183,11 @@ class FastGRPOTrainer(GRPOTrainer):
         given = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
         if given.get("args") is not None:  # before TRL loads models or starts vLLM (TRL's default args pass)
             _refuse("args", given["args"], given.get("peft_config"), given.get("processing_class"))
-            _loss_config(given["args"])
+            _loss_options(given["args"])
         super().__init__(*args, **kwargs)
         _refuse("trainer", trainer=self)
         self.head = head_transform(self.accelerator.unwrap_model(self.model).config)  # logit_scale, logit_softcap
-        self.loss_config = dataclasses.replace(_loss_config(self.args), **self.head)
+        self.loss_options = dataclasses.replace(_loss_options(self.args), **self.head)
 
     # -- hidden states and logprobs ----------------------------------------------------------------------------------
 
@@ -274,8 +274,8 @@ class FastGRPOTrainer(GRPOTrainer):
         scale, accumulation = self._loss_scale(mode), self.current_gradient_accumulation_steps if mode == "train" else 1
         # TRL's entropy bonus is a mean over the tokens divided by the accumulation steps only, never by the loss
         # type's normaliser: after `loss * scale` below it must be entropy_coef / accumulation.
-        bonus = self.loss_config.entropy_coef / (accumulation * scale)
-        config = dataclasses.replace(self.loss_config, entropy_coef=bonus)
+        bonus = self.loss_options.entropy_coef / (accumulation * scale)
+        config = dataclasses.replace(self.loss_options, entropy_coef=bonus)
         correct = self.use_vllm and self.vllm_importance_sampling_correction  # the sampler's truncated IS ratio
         loss_inputs = dict(
             old_logps=old_logps, ref_logps=inputs["ref_per_token_logps"] if self.beta != 0.0 else None,
@@ -308,7 +308,7 @@ class FastGRPOTrainer(GRPOTrainer):
                 policy = policy * accumulation
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy.reshape(1)).nanmean().item())
             if mode == "train" and self.accelerator.sync_gradients:  # logged per optimizer step, as TRL
-                self._metrics[mode]["entropy_coef"].append(self.loss_config.entropy_coef)
+                self._metrics[mode]["entropy_coef"].append(self.loss_options.entropy_coef)
         return loss * scale
 
     def _loss_scale(self, mode):

@@ -7,7 +7,7 @@
 The engine owns no weights. Llama/Qwen2/Qwen3 models run through the engine's own decoder layers over the model's
 parameters (decode_layers.py: fused q/k/v and gate/up GEMMs, fused elementwise kernels); other models run their own
 modules with attention swapped (transformers' AttentionInterface) for the duration of `generate`. On CUDA the
-sampler is two kernels that read the logits once (kernels/sampling.py) unless top-p is on. The KV pool is
+sampler is two kernels that read the logits once (fastgrpo/kernels/sampling.py) unless top-p is on. The KV pool is
 allocated per call and released at its end, so the training step that follows gets the memory back.
 """
 

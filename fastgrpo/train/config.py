@@ -265,7 +265,7 @@ class TrainConfig:
         self._check_importance_sampling()
         if self.resume and self.overwrite_output_dir:
             raise ValueError("resume and overwrite_output_dir contradict each other; pass one")
-        self.loss_config()  # the loss options' checks
+        self.loss_options()  # the loss options' checks
 
     def _check_importance_sampling(self) -> None:
         """TRL's checks of its vllm_importance_sampling_clip_min / _max, plus: the bounds are ratios, so >= 0."""
@@ -282,7 +282,7 @@ class TrainConfig:
             raise ValueError(f"importance_sampling_mode={self.importance_sampling_mode!r} needs "
                              "importance_sampling_clip_min or importance_sampling_clip_max")
 
-    def loss_config(self) -> LossConfig:
+    def loss_options(self) -> LossConfig:
         """The loss options (loss_type, epsilon, beta, temperature, ...) as fastgrpo.loss's LossConfig."""
         return LossConfig.from_trl(self)
 

@@ -13,7 +13,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from fastgrpo.loss import head_transform
 from fastgrpo.sampling.engine import context_window
 from fastgrpo.train.config import BUILTIN, TrainConfig, is_local_path, train_dtype
-from fastgrpo.train.quantization import bitsandbytes, four_bit
+from fastgrpo.train.quantization import bitsandbytes, four_bit, keep_trainable
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 PACKED_ATTENTION = ("flash_attention_2", "flash_attention_3")  # varlen kernels: packing costs no extra FLOPs
@@ -185,6 +185,7 @@ def _from_pretrained(path: str, config: TrainConfig, dtype: torch.dtype, device:
         if type(head) is not torch.nn.Linear or head.weight.dtype != dtype:
             raise ValueError(f"load_in_4bit: the output head of {path} was quantized ({type(head).__name__}); "
                              "fastgrpo's loss reads its weight in the training dtype")
+        keep_trainable(model)
     else:
         model = model.to(device)
     if config.use_liger_kernel and not any(type(m).__module__.startswith("liger_kernel") for m in model.modules()):

@@ -27,3 +27,20 @@ def four_bit(dtype: torch.dtype):
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=dtype)
+
+
+def keep_trainable(model: torch.nn.Module) -> None:
+    """Keeps every NF4 layer of `model` on the path it trains through, in eval mode and without grad too.
+
+    On a CPU with AVX512-BF16, bitsandbytes (0.50) `Linear4bit.forward` in eval mode on an input that needs no grad
+    (fastgrpo's evaluation and sampling) repacks its weight in place for its bf16 inference kernel, once, and keeps it
+    packed: from then on every call, training ones too, goes through `gemv_4bit`, which has no backward (no gradient
+    reaches the layers below; with a bias, "a view of a leaf Variable ... in-place operation") and computes in bf16
+    with the blocks' scales rounded to bf16. Unpacking (bitsandbytes does on save) re-quantizes those rounded scales:
+    the weights do not come back (up to 8e-3 off on a [64, 128] N(0, 1) weight). With the layer's own switch off, every
+    call dequantizes and multiplies in the compute dtype, as on any other CPU or a GPU: the policy that samples is the
+    one that trains."""
+    bnb = bitsandbytes("load_in_4bit")
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False

@@ -273,6 +273,7 @@ class Rewards:
         self.functions = [builtins[n] if n in builtins else load_function(n) if ":" in n
                           else RewardModel(n, torch.device(device), dtype, trust_remote_code, chat_template_kwargs)
                           for n in names]
+        self.user_functions = any(n not in builtins for n in names)
         self.weights = torch.tensor(weights if weights is not None else [1.0] * len(names), dtype=torch.float32)
         # TRL's metric names: a function's __name__, a reward model's last path part
         self.metric_names = [getattr(f, "__name__", n) for f, n in zip(self.functions, self.names, strict=True)]

@@ -35,9 +35,9 @@ import zlib
 from collections import defaultdict
 from contextlib import nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
-from transformers import TrainerState, get_scheduler
 
 from fastgrpo.chunked import chunk_size
 from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES, LossConfig
@@ -82,11 +82,23 @@ from fastgrpo.train.quantization import bitsandbytes
 from fastgrpo.train.rewards import Rewards, accuracy
 from fastgrpo.train.rollout import Rollout, group_advantages, micro_batch, micro_batches, sampler_importance_weights
 from fastgrpo.train.run_dir import RunDir
+from fastgrpo.train.schedule import lr_scheduler
 
 PLAN_FILE = "memory_plan.txt"
 # Dataset columns that do not reach reward functions as keywords (TRL's, and the keywords the trainer passes).
 RESERVED_REWARD_ARGS = ("prompt", "completion", "prompts", "completions", "completion_ids", "trainer_state",
                         "log_extra", "log_metric")
+
+
+class RankRound(NamedTuple):
+    """What one process sampled and scored of a round, gathered to every process in group order."""
+
+    groups: list  # [groups of this rank][G] Completions
+    per_func: torch.Tensor  # [n, F] rewards per function
+    rewards: torch.Tensor  # [n] weighted sums
+    preemptions: int
+    logged_metrics: dict  # the reward functions' log_metric values
+    logged_columns: dict  # the reward functions' log_extra columns
 
 
 def seed_for(*key) -> int:
@@ -105,11 +117,11 @@ def make_optimizer(config: TrainConfig, parameters: list[torch.nn.Parameter]) ->
     return torch.optim.AdamW(parameters, **options)
 
 
-def loss_config(config: TrainConfig, head: dict) -> LossConfig:
+def model_loss_options(config: TrainConfig, head: dict) -> LossConfig:
     """The loss options with the model's logit transform `head`. TRL's entropy bonus is a micro-batch mean divided by
     gradient_accumulation_steps, never by the loss type's normaliser; dapo / cispo losses are not divided by
     gradient_accumulation_steps (their num_items_in_batch spans the optimizer step), so their coefficient is."""
-    options = dataclasses.replace(config.loss_config(), **head)
+    options = dataclasses.replace(config.loss_options(), **head)
     if config.loss_type in TOKEN_NORMALISED_LOSS_TYPES:
         options = dataclasses.replace(options, entropy_coef=config.entropy_coef / config.gradient_accumulation_steps)
     return options
@@ -222,7 +234,7 @@ class Trainer:
         self.packed = find_hf_model(self.model).config._attn_implementation in PACKED_ATTENTION
         self.stop_token_ids = stop_token_ids(self.model, self.tokenizer)
         self.head = check_head(find_hf_model(self.model))  # {logit_scale, logit_softcap}
-        self.loss_config = loss_config(config, self.head)
+        self.loss_options = model_loss_options(config, self.head)
         # The modules whose forward runs a micro-batch: the root that FSDP shards, or the module DDP wraps.
         self.policy = PolicyLoss(self.model, self.packed, self.head)
         self.reference = None if self.ref_model is None else PolicyLoss(self.ref_model, self.packed, self.head)
@@ -238,9 +250,8 @@ class Trainer:
         self.optimizer_steps_per_round = config.num_iterations * config.steps_per_generation // (
             config.gradient_accumulation_steps)
         total = config.max_steps * self.optimizer_steps_per_round
-        self.scheduler = get_scheduler(config.lr_scheduler_type, self.optimizer,
-                                       num_warmup_steps=math.ceil(config.warmup_ratio * total),
-                                       num_training_steps=total)
+        self.scheduler = lr_scheduler(config.lr_scheduler_type, self.optimizer, math.ceil(config.warmup_ratio * total),
+                                      total)
 
         self.order = PromptOrder(len(self.train_prompts.rows), config.seed)
         self.step, self.num_tokens, self.seconds, self.initial_accuracy = 0, 0, 0.0, None
@@ -349,22 +360,21 @@ class Trainer:
         params = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                                 max_new_tokens=config.max_completion_length, stop_token_ids=self.stop_token_ids,
                                 seed=self._seed("sample"))
-        # (completions [groups][G], rewards per function [n, F], total [n], preemptions, log_metric values,
-        # log_extra columns)
         mine = None
         with self.world.together("sampling and rewards"):
             outputs = self._generate([self.train_prompts.token_ids[i] for i in picked], G, params)
             timer.lap("sampling")
             if outputs:  # a process gets no group when a round has fewer groups than processes
                 per_func, rewards = self._score([picked[i] for i in self.world.share(len(picked))], outputs)
-                mine = (outputs, per_func, rewards, self.engine.stats.num_preemptions, self.rewards.logged_metrics,
-                        self.rewards.logged_columns)
+                mine = RankRound(outputs, per_func, rewards, self.engine.stats.num_preemptions,
+                                 self.rewards.logged_metrics, self.rewards.logged_columns)
         parts = [part for part in self.world.gather(mine) if part is not None]  # in group order
-        completions = [c for part in parts for group in part[0] for c in group]  # [P*G], prompt-major
-        per_func, rewards = (torch.cat([part[k] for part in parts]) for k in (1, 2))
+        completions = [c for part in parts for group in part.groups for c in group]  # [P*G], prompt-major
+        per_func = torch.cat([part.per_func for part in parts])  # [P*G, F]
+        rewards = torch.cat([part.rewards for part in parts])  # [P*G]
         logged = defaultdict(list)  # the reward functions' log_metric values, averaged over calls as TRL does
         for part in parts:
-            for name, values in part[4].items():
+            for name, values in part.logged_metrics.items():
                 logged[name] += values
         timer.lap("rewards")
 
@@ -410,7 +420,7 @@ class Trainer:
             **sampling_metrics,
             "num_tokens": self.num_tokens,
             "learning_rate": self.scheduler.get_last_lr()[0],
-            "sampling/preemptions": sum(part[3] for part in parts),
+            "sampling/preemptions": sum(part.preemptions for part in parts),
             **timer.metrics(),
             "tokens_per_second": float(lengths.sum()) / timer.total,
             "peak_memory_gib": max(self.world.gather(peak_memory(self.device) / GiB)),  # the fullest process's
@@ -430,21 +440,25 @@ class Trainer:
         columns = {k: [data.rows[i][k] for i in samples] for k in data.rows[0]
                    if k not in RESERVED_REWARD_ARGS and k != self.config.prompt_column}
         per_round = self.optimizer_steps_per_round  # TrainerState counts optimizer steps, as TRL's does
-        state = TrainerState(global_step=(self.step - 1) * per_round, max_steps=self.config.max_steps * per_round,
-                             epoch=self.order.epoch + self.order.index / len(data.rows))
+        state = None
+        if self.rewards.user_functions:  # the built-in rewards read no trainer_state (and it imports peft)
+            from transformers import TrainerState
+
+            state = TrainerState(global_step=(self.step - 1) * per_round, max_steps=self.config.max_steps * per_round,
+                                 epoch=self.order.epoch + self.order.index / len(data.rows))
         return self.rewards([data.prompts[i] for i in samples], completions, completion_ids, columns, state)
 
     def _log_completions(self, samples: list[int], completion_ids: list[list[int]], per_func: torch.Tensor,
-                         advantages: torch.Tensor, parts: list[tuple]) -> None:
+                         advantages: torch.Tensor, parts: list[RankRound]) -> None:
         """completions.jsonl rows of this round (rank 0 writes): prompt, completion, each reward, the advantage, and
         the columns the reward functions logged with log_extra (null for a rank's samples that logged none)."""
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        columns = {column for part in parts for column in part[5]}
+        columns = {column for part in parts for column in part.logged_columns}
         extra = {column: [] for column in columns}
         for part in parts:
-            n = sum(len(group) for group in part[0])
+            n = sum(len(group) for group in part.groups)
             for column in columns:
-                extra[column].extend(part[5].get(column, [None] * n))
+                extra[column].extend(part.logged_columns.get(column, [None] * n))
         names = self.rewards.metric_names
         self.log.log_completions(self.step, [
             {"prompt": self.train_prompts.prompts[i], "completion": texts[k],
@@ -507,8 +521,8 @@ class Trainer:
         tokens) / (micro-batch's tokens), folded into its coefficient where the loss's factor differs."""
         K = self.world.size
         if K == 1:
-            return 1.0, self.loss_config
-        config = self.loss_config
+            return 1.0, self.loss_options
+        config = self.loss_options
         share = K * sum(tokens[i] for i in index) / max(sum(tokens[i] for i in whole), 1)
         scale = config.kind.share_scale(K, share)
         if config.entropy_coef != 0.0 and scale != 0.0 and share != scale:

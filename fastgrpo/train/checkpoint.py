@@ -223,6 +223,8 @@ def verify(checkpoint: Path) -> int:
         raise CheckpointError(f"{checkpoint / SHARDED} holds no shards (*.distcp)")
     if not sharded and not any(checkpoint.glob("*.safetensors")):
         raise CheckpointError(f"{checkpoint} holds no model weights (model.safetensors)")
+    if not any((checkpoint / name).is_file() for name in ("config.json", "adapter_config.json")):
+        raise CheckpointError(f"{checkpoint / 'config.json'} is missing")
     for path in sorted(checkpoint.iterdir()):
         try:
             if path.suffix == ".json":

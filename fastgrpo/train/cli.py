@@ -12,6 +12,8 @@ import threading
 import typing
 from pathlib import Path
 
+import yaml
+
 from fastgrpo.sizes import parse_size
 from fastgrpo.train.config import BUILTIN, DEFAULT_RECIPE, TrainConfig, field_types
 from fastgrpo.train.distributed import RankFailed
@@ -26,8 +28,9 @@ Train a causal LM with GRPO on one device, or on several processes started by to
                                                    8 GPUs (FSDP2; --parallelism ddp for small models): each samples
                                                    and trains on its share of the same global batch
 
-Without --config, and without --model-name-or-path, the built-in recipe (fastgrpo/train/default.yaml) is the base.
-With --resume and no --config, the run's own config.yaml is.
+Without --config, and without --model-name-or-path, the built-in recipe (fastgrpo/train/default.yaml) is the base:
+its values are shown as [built-in recipe: ...] where they differ from the defaults. With --resume and no --config,
+the run's own config.yaml is.
 """
 
 
@@ -46,16 +49,25 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _default_help(f: dataclasses.Field, recipe: dict) -> str:
+    """An option's help with its one default: TrainConfig's, and where the built-in recipe (what a bare `fastgrpo
+    train` runs) sets another value, that one too, said as such."""
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    said = f.metadata["help"]
+    if "default:" not in said:  # (a help that explains its default itself keeps its own words)
+        said += f" (default: {default})"
+    if f.name in recipe and recipe[f.name] != default:
+        said += f" [built-in recipe: {recipe[f.name]}]"
+    return said
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="YAML file of options (e.g. recipes/gsm8k.yaml)")
-    defaults = TrainConfig.__dataclass_fields__
+    recipe = yaml.safe_load(DEFAULT_RECIPE.read_text())
     for f in dataclasses.fields(TrainConfig):
         kind, optional = field_types()[f.name]
-        default = defaults[f.name].default
-        if default is dataclasses.MISSING:
-            default = defaults[f.name].default_factory()
         names = [f"--{f.name.replace('_', '-')}", *f.metadata.get("aliases", ())]
-        kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": f"{f.metadata['help']} (default: {default})"}
+        kwargs = {"dest": f.name, "default": argparse.SUPPRESS, "help": _default_help(f, recipe)}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif kind is dict:
@@ -74,12 +86,17 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     overrides = {k: v for k, v in vars(args).items() if k not in ("config", "command", "func")}
     if args.config is not None:
         return TrainConfig.from_yaml(args.config, **overrides)
-    saved = Path(overrides.get("output_dir") or "") / "config.yaml"
-    if overrides.get("resume") and overrides.get("output_dir") and saved.is_file():
-        return TrainConfig.from_yaml(saved, **overrides)
+    if overrides.get("resume") and overrides.get("output_dir"):
+        saved = Path(overrides["output_dir"]) / "config.yaml"
+        if not saved.is_file():
+            raise FileNotFoundError(f"--resume: {saved} is missing, so the run's options are unknown; restore it, or "
+                                    "pass the run's options with --config")
+        # overwrite_output_dir is how the run started, not an option of the run: it does not carry over
+        return TrainConfig.from_yaml(saved, **{"overwrite_output_dir": False, **overrides})
     if "model_name_or_path" not in overrides:
         if os.environ.get("RANK", "0") == "0":  # one line, not one per process under torchrun
-            print(f"fastgrpo train: no --config: the built-in arithmetic recipe ({DEFAULT_RECIPE})", file=sys.stderr)
+            print(f"fastgrpo {args.command}: no --config: the built-in arithmetic recipe ({DEFAULT_RECIPE})",
+                  file=sys.stderr)
         return TrainConfig.from_yaml(DEFAULT_RECIPE, **overrides)
     return TrainConfig(**overrides)
 
@@ -120,12 +137,16 @@ def stopped_message(trainer, stop: KeyboardInterrupt) -> str:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    if os.getcwd() not in sys.path:  # `module:function` options import from the working directory, as TRL's CLI does
+        sys.path.insert(0, os.getcwd())  # (`python -m fastgrpo` has it there already; the console script does not)
     try:
         config = resolve_config(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
-        parser.error(str(e))
+        parser.exit(2, f"fastgrpo train: error: {e}\n")
     import datasets
     from transformers.utils import logging
+
+    from fastgrpo.train.rewards import RewardError
 
     datasets.disable_progress_bars()  # the run has its own progress bar
     logging.disable_progress_bar()
@@ -139,6 +160,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
             parser.exit(status, stopped_message(trainer, stop))
         except RankFailed as failed:  # another process's error, which that process prints with its traceback
             parser.exit(1, f"fastgrpo train: error: {failed}\n")
+        except RewardError as error:  # a reward function that raised or returned what is not a reward
+            parser.exit(1, f"fastgrpo train: error: {error}\n")
         finally:
             _leave_process_group()
 
@@ -178,7 +201,12 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         plan = memory.plan_run(config, shapes, device, gpu)
     except (ValueError, TypeError, OSError) as e:
         parser.exit(2, f"fastgrpo plan: error: {e}\n")
+    model = "the built-in model" if config.model_name_or_path == BUILTIN else config.model_name_or_path
+    print(f"fastgrpo plan: {model} on {device}, {config.num_generations} completions of "
+          f"{config.max_completion_length} tokens per prompt, {config.generation_batch_size} per round")
     print(memory.format_plan(plan, gpu))
+    if gpu is None:
+        print("no --gpu-memory given: pass the device's memory (e.g. --gpu-memory 24GiB) to check that it fits")
     if config.auto_fit:
         picks = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in memory.fitted(config, plan).items())
         print("--auto-fit picks: " + picks)

@@ -322,6 +322,11 @@ class TrainConfig:
         return cls(**{**values, **overrides})
 
 
+def flag(name: str) -> str:
+    """The command-line flag of a TrainConfig field: model_name_or_path -> --model-name-or-path."""
+    return "--" + name.replace("_", "-")
+
+
 def train_dtype(config: TrainConfig, device_type: str) -> torch.dtype:
     """The dtype the policy trains and samples in: bf16 where config.bf16 says so, by default on CUDA; else fp32."""
     bf16 = config.bf16 if config.bf16 is not None else device_type == "cuda"

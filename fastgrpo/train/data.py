@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import jinja2
 import torch
 
 from fastgrpo.train.config import BUILTIN, TrainConfig, is_local_path, read_utf8
@@ -180,13 +181,16 @@ def prompt_token_ids(tokenizer, prompt: str | list[dict], config: TrainConfig) -
     return ids[-config.max_prompt_length :] if config.max_prompt_length else ids
 
 
-def _check_prompt(prompt, tokenizer, config: TrainConfig, where: str) -> None:
+def _check_prompt(prompt, tokenizer, config: TrainConfig, where: str, first_kind: str) -> None:
+    """A prompt is a non-empty string or a list of {'role': str, 'content': str} messages, of the kind of the split's
+    first row (`first_kind`: "messages" or "text"): reward functions get one kind for the whole batch, as in TRL."""
     column = config.prompt_column
     if isinstance(prompt, list) and prompt:
         for k, message in enumerate(prompt):
-            if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
                 raise ValueError(f"{where}: prompt column {column!r} holds a list, so each item must be a message "
-                                 f"{{'role': str, 'content': ...}} (TRL's conversational format); item {k} is "
+                                 f"{{'role': str, 'content': str}} (TRL's conversational format); item {k} is "
                                  f"{message!r:.100}")
         if not tokenizer.chat_template:
             raise ValueError(f"{where}: prompt column {column!r} holds messages, which need a tokenizer with a chat "
@@ -195,6 +199,10 @@ def _check_prompt(prompt, tokenizer, config: TrainConfig, where: str) -> None:
     elif not isinstance(prompt, str) or not prompt:
         raise ValueError(f"{where}: prompt column {column!r} must be a non-empty string or a list of "
                          f"{{'role', 'content'}} messages, got {prompt!r:.100}")
+    kind = "messages" if isinstance(prompt, list) else "text"
+    if kind != first_kind:
+        raise ValueError(f"{where}: prompt column {column!r} holds {kind} here but {first_kind} in the split's first "
+                         "row; give every row the same kind of prompt (all strings, or all lists of messages)")
 
 
 def prepare(rows: Rows, tokenizer, config: TrainConfig, what: str, answers: str | None = "auto") -> Prompts:
@@ -214,19 +222,29 @@ def prepare(rows: Rows, tokenizer, config: TrainConfig, what: str, answers: str 
         raise ValueError(f"max_completion_length={config.max_completion_length} leaves no room for a prompt in the "
                          f"context window of {config.model_name_or_path} ({window} positions); lower it below {window}")
     prompts, token_ids, out = [], [], []
+    first_kind = "messages" if isinstance(rows[0].get(config.prompt_column), list) else "text"
     for i, row in enumerate(rows):
         prompt = row.get(config.prompt_column)
-        _check_prompt(prompt, tokenizer, config, rows.where(i))
+        _check_prompt(prompt, tokenizer, config, rows.where(i), first_kind)
         row = dict(row)
         if answers is not None:
             row[answers] = _answer(row.get(answers), answers, config, rows.where(i))
-        ids = prompt_token_ids(tokenizer, prompt, config)
+        try:
+            ids = prompt_token_ids(tokenizer, prompt, config)
+        except (jinja2.TemplateError, TypeError, KeyError) as e:  # the template refused the messages (a role it lacks)
+            message = " ".join(str(e).split())[:300]
+            raise ValueError(f"{where_prompt(rows, i, config)}: the chat template of {config.model_name_or_path} "
+                             f"cannot render this prompt ({type(e).__name__}: {message})") from None
         if window is not None and len(ids) + config.max_completion_length > window:
             raise ValueError(_too_long(len(ids), window, config, rows.where(i)))
         prompts.append(prompt_messages(prompt, config) if is_conversational(prompt) else prompt)
         token_ids.append(ids)
         out.append(row)
     return Prompts(out, token_ids, prompts, answers)
+
+
+def where_prompt(rows: Rows, i: int, config: TrainConfig) -> str:
+    return f"{rows.where(i)}, prompt column {config.prompt_column!r}"
 
 
 def _answer(answer, column: str, config: TrainConfig, where: str):

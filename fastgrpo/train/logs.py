@@ -201,8 +201,11 @@ def summary_line(summary: dict, config: TrainConfig) -> str:
         accuracy_text = (f"held-out accuracy {summary['initial_accuracy']:.1%} -> {summary['final_accuracy']:.1%} "
                          f"(pass@1, {how}, {summary['eval_prompts']} held-out prompts)")
     steps = f"{summary['steps']} step" + ("" if summary["steps"] == 1 else "s")
-    return (f"fastgrpo: {accuracy_text}; {steps} in {summary['seconds']:.0f} s; "
-            f"run in {summary['output_dir']}")
+    ran = f"{steps} in {summary['seconds']:.0f} s"
+    if summary.get("resumed_from"):
+        ran = (f"steps {summary['resumed_from'] + 1}-{summary['steps']} in {summary['seconds_run']:.0f} s, resumed "
+               f"from step {summary['resumed_from']} ({ran} in all)")
+    return f"fastgrpo: {accuracy_text}; {ran}; run in {summary['output_dir']}"
 
 
 class Timer:

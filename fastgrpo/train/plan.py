@@ -172,6 +172,8 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
             model_config = read_model_config(config)
         shapes = model_shapes(model_config)
     s, b = shapes, dtype_bytes(config, device_type)
+    kv_blocks = config.kv_cache_blocks if kv_blocks is None else kv_blocks
+    chunk_tokens = config.loss_chunk_tokens if chunk_tokens is None else chunk_tokens
     mb = micro_batch or config.per_device_train_batch_size
     prompt = prompt_length or config.max_prompt_length or 512
     T = prompt + config.max_completion_length
@@ -197,7 +199,7 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     G, P = config.num_generations, config.generation_batch_size // config.num_generations
     bs = config.block_size
     needed = P * (prompt // bs + G * math.ceil((prompt % bs + config.max_completion_length) / bs))
-    blocks = needed if kv_blocks is None else min(kv_blocks, needed)
+    blocks = needed if kv_blocks is None else kv_blocks  # the engine allocates kv_cache_blocks pages as given
     rows = min(ENGINE.max_num_seqs, config.generation_batch_size)
     kv = (blocks + 1) * kv_block_bytes(s, bs, b)
     prefill_tokens = min(ENGINE.max_num_batched_tokens, P * prompt + rows)
@@ -236,7 +238,7 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
               "train: backward": {**stored, "layer backward": backward},
               "train: optimizer step": {**resident, "gradients": grads, "update temporaries": grads}}
     return Plan(phases, {"per_device_train_batch_size": mb, "kv_blocks": blocks, "kv_blocks_needed": needed,
-                         "loss_chunk_tokens": chunk, "chunk_override": chunk_tokens, "kv_pages_cut": blocks < needed,
+                         "loss_chunk_tokens": chunk, "chunk_override": chunk_tokens,
                          "samples_per_step": config.per_device_train_batch_size * config.gradient_accumulation_steps})
 
 
@@ -297,7 +299,7 @@ def fitted(config: TrainConfig, plan: Plan) -> dict:
     mb, step = plan.settings["per_device_train_batch_size"], plan.settings["samples_per_step"]
     changes = {"per_device_train_batch_size": mb, "gradient_accumulation_steps": step // mb,
                "steps_per_generation": config.generation_batch_size // mb}
-    if plan.settings["kv_pages_cut"]:
+    if plan.settings["kv_blocks"] != plan.settings["kv_blocks_needed"]:  # cut, or the user's own pool size
         changes["kv_cache_blocks"] = plan.settings["kv_blocks"]
     if plan.settings["chunk_override"]:
         changes["loss_chunk_tokens"] = plan.settings["chunk_override"]
@@ -335,11 +337,14 @@ def format_plan(plan: Plan, gpu_bytes: int | None = None) -> str:
     """The plan as a table: one column per phase, one row per component (GiB)."""
     names = list(dict.fromkeys(name for parts in plan.phases.values() for name in parts))
     phases = list(plan.phases)
-    lines = [f"{'GiB':<28}" + "".join(f"{p:>11}" for p in phases)]
+    widths = [max(len(p), 6) + 2 for p in phases]  # each column as wide as its phase's name
+    lines = [f"{'GiB':<28}" + "".join(f"{p:>{w}}" for p, w in zip(phases, widths, strict=True))]
     for name in names:
         cells = [plan.phases[p].get(name) for p in phases]
-        lines.append(f"{name:<28}" + "".join(f"{'':>11}" if c is None else f"{c / GiB:>11.2f}" for c in cells))
-    lines.append(f"{'peak':<28}" + "".join(f"{plan.peak(p) / GiB:>11.2f}" for p in phases))
+        lines.append(f"{name:<28}" + "".join(f"{'':>{w}}" if c is None else f"{c / GiB:>{w}.2f}"
+                                             for c, w in zip(cells, widths, strict=True)))
+    lines.append(f"{'peak':<28}" + "".join(f"{plan.peak(p) / GiB:>{w}.2f}" for p, w in zip(phases, widths,
+                                                                                         strict=True)))
     shown = ("per_device_train_batch_size", "kv_blocks", "kv_blocks_needed", "loss_chunk_tokens")
     settings = ", ".join(f"{k} {plan.settings[k]}" for k in shown)
     lines.append(f"planned with {settings}")
@@ -347,4 +352,4 @@ def format_plan(plan: Plan, gpu_bytes: int | None = None) -> str:
         verdict = "fits" if plan.fits(gpu_bytes) else "does NOT fit"
         lines.append(f"{verdict} in {gpu_bytes / GiB:.1f} GiB ({usable(gpu_bytes) / GiB:.1f} GiB for tensors after "
                      f"the CUDA context and allocator slack); peak {plan.peak() / GiB:.2f} GiB ({describe_peak(plan)})")
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)

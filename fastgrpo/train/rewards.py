@@ -28,6 +28,7 @@ Built-ins:
 """
 
 import asyncio
+import collections.abc
 import importlib
 import importlib.util
 import inspect
@@ -40,6 +41,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fastgrpo.train.config import REWARD_FUNCS, is_local_path
@@ -278,6 +280,7 @@ class Rewards:
         # TRL's metric names: a function's __name__, a reward model's last path part
         self.metric_names = [getattr(f, "__name__", n) for f, n in zip(self.functions, self.names, strict=True)]
         self.logged_metrics, self.logged_columns = {}, {}
+        self._batch_size = 0  # completions in the function call under way (log_extra's length)
 
     def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]], columns: dict[str, list],
                  state=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,10 +310,15 @@ class Rewards:
         self.logged_metrics.setdefault(name, []).append(float(value))
 
     def _log_extra(self, column: str, values: list) -> None:
-        self.logged_columns[column] = list(values)
+        values = list(values)
+        if len(values) != self._batch_size:
+            raise RewardError(f"log_extra({column!r}, ...) was given {len(values)} values; it takes one per completion "
+                              f"of the call ({self._batch_size})")
+        self.logged_columns[column] = values
 
     def _score(self, name, function, prompts, completions, completion_ids, columns, context) -> torch.Tensor:
         def call(index):
+            self._batch_size = len(index)
             values = function(prompts=[prompts[i] for i in index], completions=[completions[i] for i in index],
                               completion_ids=[completion_ids[i] for i in index],
                               **{k: [v[i] for i in index] for k, v in columns.items()}, **context)
@@ -319,12 +327,18 @@ class Rewards:
         everything = range(len(completions))
         try:
             values = call(everything)
+        except RewardError as e:  # a misuse of log_extra
+            raise RewardError(f"reward function {name!r}: {e}") from None
         except Exception as e:
             raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}; "
                               f"{self._culprit(call, prompts, completions)}") from e
-        if not isinstance(values, (list, tuple)) or len(values) != len(completions):
-            raise RewardError(f"reward function {name!r} must return a list of {len(completions)} numbers (one per "
-                              f"completion), got {values!r:.200}")
+        if isinstance(values, (torch.Tensor, np.ndarray)) and values.ndim == 1:
+            values = list(values)  # one 0-dim tensor or numpy scalar per completion
+        if not isinstance(values, collections.abc.Sequence) or isinstance(values, (str, bytes)) or (
+                len(values) != len(completions)):
+            got = f"{len(values)} values" if isinstance(values, collections.abc.Sized) else type(values).__name__
+            raise RewardError(f"reward function {name!r} must return a sequence of {len(completions)} numbers (one "
+                              f"per completion), got {got}: {values!r:.200}")
         floats = [_as_float(v) for v in values]
         for i, (value, x) in enumerate(zip(values, floats, strict=True)):
             if value is not None and (x is UNSET or not math.isfinite(x) or abs(x) > FLOAT32_MAX):

@@ -33,11 +33,12 @@ import time
 import warnings
 import zlib
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import yaml
 
 from fastgrpo.chunked import chunk_size
 from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES, LossConfig
@@ -47,7 +48,7 @@ from fastgrpo.reference import RATIO_METRICS
 from fastgrpo.sampling import Engine, SamplingParams
 from fastgrpo.sizes import GiB, parse_size
 from fastgrpo.train import checkpoint, distributed, run_dir
-from fastgrpo.train.config import TrainConfig, train_dtype
+from fastgrpo.train.config import TrainConfig, flag, train_dtype
 from fastgrpo.train.data import PromptOrder, answer_column, eval_subset, load_rows, prepare
 from fastgrpo.train.loading import (
     PACKED_ATTENTION,
@@ -88,6 +89,11 @@ PLAN_FILE = "memory_plan.txt"
 # Dataset columns that do not reach reward functions as keywords (TRL's, and the keywords the trainer passes).
 RESERVED_REWARD_ARGS = ("prompt", "completion", "prompts", "completions", "completion_ids", "trainer_state",
                         "log_extra", "log_metric")
+
+
+# What a checkpoint holds and a resumed run therefore cannot change.
+RESUME_FIXED = ("model_name_or_path", "use_peft", "lora_r", "lora_alpha", "lora_target_modules", "load_in_4bit",
+                "optim", "bf16")
 
 
 class RankRound(NamedTuple):
@@ -163,6 +169,19 @@ class Trainer:
             self.folder.release(remove_new=True)
             raise
 
+    def _check_resume_options(self, saved: Path) -> None:
+        """A resumed run keeps the model and the optimizer its checkpoints hold: an option that would change them is
+        refused, naming the flag (the other options apply from the resumed step on)."""
+        if not saved.is_file():
+            return
+        run = yaml.safe_load(saved.read_text()) or {}
+        changed = [name for name in RESUME_FIXED if name in run and run[name] != getattr(self.config, name)]
+        if changed:
+            said = "; ".join(f"{flag(name)} {getattr(self.config, name)!r}, the run's is {run[name]!r}"
+                             for name in changed)
+            raise ValueError(f"resume: {said} ({saved}): a resumed run keeps the model and optimizer of its "
+                             "checkpoints; drop the option, or start a new run in another --output-dir")
+
     def _claim_output_dir(self) -> tuple[Path | None, list[Path]]:
         """Checks the output folder before anything loads, then locks it. Until every check passes the folder is
         only read, so a refused run changes nothing. Returns the checkpoint to resume from and what
@@ -173,13 +192,14 @@ class Trainer:
         resume_from, replaced = None, []
         if config.resume:
             resume_from, step = checkpoint.resume_point(out)
+            self._check_resume_options(out / "config.yaml")
             if config.max_steps <= step:
                 raise ValueError(f"resume: max_steps {config.max_steps} is not past the step of {resume_from} "
                                  f"({step}); pass --max-steps greater than {step} to train on")
         elif run_dir.contents(out):
             if not config.overwrite_output_dir:
-                raise FileExistsError(f"output_dir {out} already holds files; pass resume to continue that run or "
-                                      "overwrite_output_dir to replace it")
+                raise FileExistsError(f"--output-dir {out} already holds files; pass --resume to continue that run "
+                                      "or --overwrite-output-dir to replace it")
             replaced = run_dir.replaceable(out)
         self.folder.lock()
         return resume_from, replaced
@@ -255,6 +275,9 @@ class Trainer:
 
         self.order = PromptOrder(len(self.train_prompts.rows), config.seed)
         self.step, self.num_tokens, self.seconds, self.initial_accuracy = 0, 0, 0.0, None
+        # Called with each phase's name ("sampling", "logprobs", "train"), each a context manager entered around
+        # that phase of train_step: how a measurement attributes what it counts (fastgrpo.bench.memory_trace).
+        self.phase_hooks = []
         if resume_from is not None:
             plain = not sharded and self.parallelism != "fsdp"  # optimizer.pt into unsharded parameters
             if sharded:
@@ -310,6 +333,7 @@ class Trainer:
 
     def _train(self) -> dict:
         config = self.config
+        first_step, earlier_seconds = self.step, self.seconds  # > 0 when resumed
         if self.step == 0:
             self.initial_accuracy = self.evaluate()
             self.log.log(0, {"eval/accuracy": self.initial_accuracy})
@@ -335,11 +359,21 @@ class Trainer:
         if self.world.is_main:
             plot(self.log.history, plot_path)
         summary = {"initial_accuracy": self.initial_accuracy, "final_accuracy": final_accuracy, "steps": self.step,
-                   "seconds": self.seconds, "output_dir": str(self.output_dir), "plot": str(plot_path),
+                   "seconds": self.seconds, "resumed_from": first_step, "steps_run": self.step - first_step,
+                   "seconds_run": self.seconds - earlier_seconds, "output_dir": str(self.output_dir),
+                   "plot": str(plot_path),
                    "eval_prompts": 0 if self.eval_prompts is None else len(self.eval_prompts.rows)}
         if self.world.is_main:
             print(summary_line(summary, config))
         return summary
+
+    @contextmanager
+    def _phase(self, name: str):
+        """Phase `name` of train_step, inside the contexts of phase_hooks."""
+        with ExitStack() as stack:
+            for hook in self.phase_hooks:
+                stack.enter_context(hook(name))
+            yield
 
     def _generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list:
         """This rank's slice of the prompt groups, sampled with each group's own random stream (its index in
@@ -362,7 +396,8 @@ class Trainer:
                                 seed=self._seed("sample"))
         mine = None
         with self.world.together("sampling and rewards"):
-            outputs = self._generate([self.train_prompts.token_ids[i] for i in picked], G, params)
+            with self._phase("sampling"):
+                outputs = self._generate([self.train_prompts.token_ids[i] for i in picked], G, params)
             timer.lap("sampling")
             if outputs:  # a process gets no group when a round has fewer groups than processes
                 per_func, rewards = self._score([picked[i] for i in self.world.share(len(picked))], outputs)
@@ -394,10 +429,12 @@ class Trainer:
 
         # 3. no-grad logprobs
         if config.beta != 0:
-            rollout.ref_logps = self._reference_logprobs(rollout)
+            with self._phase("logprobs"):
+                rollout.ref_logps = self._reference_logprobs(rollout)
         correct = config.importance_sampling_correction
         if correct or config.num_iterations > 1 or config.steps_per_generation > config.gradient_accumulation_steps:
-            rollout.old_logps = self._logprobs(self.policy, rollout)
+            with self._phase("logprobs"):
+                rollout.old_logps = self._logprobs(self.policy, rollout)
         sampling_metrics = {}
         if correct:
             rollout.sampling_logps = [torch.tensor(c.logprobs, dtype=torch.float32) for c in completions]
@@ -407,7 +444,8 @@ class Trainer:
         timer.lap("reference")
 
         # 4. update
-        stats = self._update(rollout)
+        with self._phase("train"):
+            stats = self._update(rollout)
         timer.lap("train")
 
         lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.float32)

@@ -1,0 +1,230 @@
+"""What a user meets first, through the command line: their own reward modules, data rows checked at load, reward
+functions that return what is not a reward, `fastgrpo plan`, `--resume` with changed or missing files, `--help` and
+`--version`. Every error is one line naming the option, file, row or function, with a non-zero exit."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastgrpo.cli import main
+from fastgrpo.train import checkpoint
+
+TINY = ["--max-completion-length", "4", "-G", "4", "--per-device-train-batch-size", "8", "--eval-num-samples", "4",
+        "--report-to", "none", "--disable-tqdm", "--seed", "3"]  # fmt: skip
+
+
+def train_args(assets, out: Path, *extra: str) -> list[str]:
+    return ["train", "--model-name-or-path", assets["model"], "--dataset-name", assets["data"], "--output-dir",
+            str(out), *TINY, *extra]
+
+
+def fails(capsys, argv: list[str], code: int = 2) -> str:
+    """`fastgrpo <argv>` exits with `code`, printing one line on stderr: that line."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def data_with(tmp_path: Path, rows: list[dict]) -> Path:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+# -- the user's own modules ------------------------------------------------------------------------------------------
+
+
+def test_reward_module_in_the_working_directory_imports_from_the_console_script(assets, tmp_path):
+    script = Path(sys.executable).parent / "fastgrpo"
+    if not script.is_file():
+        pytest.skip("the fastgrpo console script is not installed beside this Python")
+    (tmp_path / "mymod.py").write_text("def short(completions, **kwargs):\n"
+                                       "    return [-len(c) for c in completions]\n")
+    argv = train_args(assets, tmp_path / "run", "--reward-funcs", "mymod:short", "--max-steps", "1",
+                      "--save-steps", "0")[1:]
+    done = subprocess.run([str(script), "train", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "rewards/short/mean" in (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+# -- data rows, checked at load -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def templated(assets, tmp_path) -> str:
+    """The tiny model with a chat template that, as many do, raises on a role it does not know."""
+    model = tmp_path / "model"
+    shutil.copytree(assets["model"], model)
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    settings["chat_template"] = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+                                 "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+                                 "{{ m['content'] }}{% endfor %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    return str(model)
+
+
+def data_error(capsys, assets, tmp_path, model: str, rows: list[dict]) -> str:
+    return fails(capsys, train_args(assets, tmp_path / "run", "--dataset-name", str(data_with(tmp_path, rows)),
+                                    "--model-name-or-path", model))
+
+
+def test_rows_mixing_strings_and_messages_are_refused_naming_the_row(assets, tmp_path, capsys, templated):
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": [{"role": "user", "content": "2+2="}], "answer": "4"}]
+    line = data_error(capsys, assets, tmp_path, templated, rows)
+    assert "train.jsonl, row 2 (line 2)" in line and "messages here but text in the split's first row" in line
+
+
+def test_message_content_null_is_refused_naming_the_row(assets, tmp_path, capsys, templated):
+    rows = [{"prompt": [{"role": "user", "content": None}], "answer": "2"}]
+    line = data_error(capsys, assets, tmp_path, templated, rows)
+    assert "train.jsonl, row 1 (line 1)" in line and "{'role': str, 'content': str}" in line
+
+
+def test_a_role_the_chat_template_refuses_is_one_line_naming_the_row(assets, tmp_path, capsys, templated):
+    rows = [{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"},
+            {"prompt": [{"role": "robot", "content": "2+2="}], "answer": "4"}]
+    line = data_error(capsys, assets, tmp_path, templated, rows)
+    assert "train.jsonl, row 2 (line 2), prompt column 'prompt'" in line and "unknown role robot" in line
+
+
+# -- reward functions that return what is not a reward ---------------------------------------------------------------
+
+
+REWARDS = '''
+import numpy as np
+
+
+def too_few(completions, **kwargs):
+    return [0.0] * (len(completions) - 1)
+
+
+def words(completions, **kwargs):
+    return ["good" for _ in completions]
+
+
+def as_numpy(completions, **kwargs):
+    return np.array([float(len(c)) for c in completions])
+
+
+def short_log_extra(completions, log_extra, **kwargs):
+    log_extra("note", ["x"])
+    return [0.0 for _ in completions]
+'''
+
+
+@pytest.fixture
+def rewards_file(tmp_path) -> Path:
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    return tmp_path / "my_rewards.py"
+
+
+@pytest.mark.parametrize("function, said", [
+    ("too_few", "must return a sequence of 8 numbers (one per completion), got 7 values"),
+    ("words", "returned 'good' for sample 0"),
+    ("short_log_extra", "log_extra('note', ...) was given 1 values; it takes one per completion of the call (8)"),
+])  # fmt: skip
+def test_bad_reward_values_are_one_line_exit_1(assets, tmp_path, capsys, rewards_file, function, said):
+    line = fails(capsys, train_args(assets, tmp_path / "run", "--reward-funcs", f"{rewards_file}:{function}",
+                                    "--max-steps", "1", "--log-completions"), code=1)
+    assert line.startswith(f"fastgrpo train: error: reward function '{rewards_file}:{function}'") and said in line
+
+
+def test_a_numpy_array_of_rewards_is_accepted_as_trl_does(assets, tmp_path, rewards_file):
+    main(train_args(assets, tmp_path / "run", "--reward-funcs", f"{rewards_file}:as_numpy", "--max-steps", "1",
+                    "--save-steps", "0"))
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["rewards/as_numpy/mean"] > 0
+
+
+# -- fastgrpo plan ---------------------------------------------------------------------------------------------------
+
+
+def test_plan_honours_kv_cache_blocks_and_loss_chunk_tokens(capsys):
+    main(["plan", "--device", "cpu"])
+    default = capsys.readouterr().out
+    main(["plan", "--device", "cpu", "--kv-cache-blocks", "100000", "--loss-chunk-tokens", "512"])
+    out = capsys.readouterr().out
+    assert "kv_blocks 100000" in out and "loss_chunk_tokens 512" in out
+    assert "kv_blocks 100000" not in default
+    assert out.splitlines()[0].startswith("fastgrpo plan: the built-in model on cpu")
+
+
+def test_plan_columns_are_apart_and_without_memory_it_says_what_to_pass(capsys):
+    main(["plan"])
+    out = capsys.readouterr().out.splitlines()
+    header = out[1]
+    assert "logprobs  train: forward  train: loss  train: backward" in header
+    assert out[-1].startswith("no --gpu-memory given: pass the device's memory")
+
+
+# -- --resume --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_steps(assets, tmp_path_factory) -> Path:
+    """A finished 2-step run with checkpoints at steps 1 and 2, started with --overwrite-output-dir."""
+    out = tmp_path_factory.mktemp("two") / "run"
+    main(train_args(assets, out, "--max-steps", "2", "--save-steps", "1", "--save-total-limit", "2",
+                    "--overwrite-output-dir"))
+    return out
+
+
+@pytest.fixture
+def run_copy(two_steps, tmp_path) -> Path:
+    shutil.copytree(two_steps, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_resume_of_an_overwrite_run_works_and_counts_the_steps_it_ran(run_copy, capsys):
+    main(["train", "--output-dir", str(run_copy), "--resume", "--max-steps", "3"])
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "steps 3-3 in" in summary and "resumed from step 2 (3 steps in" in summary
+
+
+def test_resume_refuses_another_model(run_copy, capsys, tmp_path, assets):
+    other = tmp_path / "other"
+    shutil.copytree(assets["model"], other)
+    line = fails(capsys, ["train", "--output-dir", str(run_copy), "--resume", "--max-steps", "3",
+                          "--model-name-or-path", str(other)])
+    assert f"resume: --model-name-or-path '{other}', the run's is '{assets['model']}'" in line
+
+
+def test_resume_without_the_runs_config_yaml_is_refused(run_copy, capsys):
+    (run_copy / "config.yaml").unlink()
+    line = fails(capsys, ["train", "--output-dir", str(run_copy), "--resume", "--max-steps", "3"])
+    assert f"--resume: {run_copy / 'config.yaml'} is missing" in line
+
+
+def test_a_checkpoint_without_config_json_falls_back_to_the_previous_one(run_copy):
+    (run_copy / "checkpoint-2" / "config.json").unlink()
+    with pytest.warns(UserWarning, match=r"checkpoint-2/config.json is missing; resuming from .*checkpoint-1"):
+        assert checkpoint.resume_point(run_copy) == (run_copy / "checkpoint-1", 1)
+
+
+# -- --help and --version ----------------------------------------------------------------------------------------------
+
+
+def test_help_gives_one_default_per_option_and_the_recipes_values(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "train in bfloat16 (default: on CUDA yes, on CPU no) --gradient" in text
+    assert "(default: 1e-06) [built-in recipe: 0.0003]" in text
+
+
+def test_version(capsys):
+    import fastgrpo
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out.strip() == f"fastgrpo {fastgrpo.__version__}"
+

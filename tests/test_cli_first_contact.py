@@ -228,3 +228,23 @@ def test_version(capsys):
         main(["--version"])
     assert stop.value.code == 0 and capsys.readouterr().out.strip() == f"fastgrpo {fastgrpo.__version__}"
 
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--max-steps", "x"], "argument --max-steps: invalid int value: 'x' (see fastgrpo train --help)"),
+    (["--loss-type", "foo"], "argument --loss-type: invalid choice: 'foo'"),
+    (["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
+    (["--temperature", "0"], "--temperature must be a finite number > 0, got 0.0"),
+    (["--kv-cache-blocks", "0"], "--kv-cache-blocks must be at least 1 (or None), got 0"),
+    (["--gpu-memory", "lots"], "--gpu-memory: 'lots' is not a memory size"),
+    (["--dataset-name", "/nonexistent"], "--dataset-name: /nonexistent does not exist"),
+    (["--config", "missing.yaml"], "config file missing.yaml does not exist"),
+    (["--reward-funcs", "nomodule:fn"], "reward function 'nomodule:fn': cannot import 'nomodule'"),
+    (["--lr-scheduler-type", "nope"], "--lr-scheduler-type: 'nope' is not one of transformers' schedules"),
+])  # fmt: skip
+def test_bad_options_are_one_line_naming_the_flag(tmp_path, capsys, argv, said):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", *argv, "--output-dir", str(tmp_path / "run"), "--max-completion-length", "4"])
+    assert stop.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "no --config: the built-in" not in line]
+    assert len(lines) == 1 and lines[0].startswith("fastgrpo train: error: ") and said in lines[0], lines

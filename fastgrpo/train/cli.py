@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from fastgrpo.sizes import parse_size
-from fastgrpo.train.config import BUILTIN, DEFAULT_RECIPE, TrainConfig, field_types
+from fastgrpo.train.config import BUILTIN, DEFAULT_RECIPE, TrainConfig, field_types, flag
 from fastgrpo.train.distributed import RankFailed
 
 DESCRIPTION = """\
@@ -101,6 +102,15 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**overrides)
 
 
+def flagged(error: Exception) -> str:
+    """An error of fastgrpo's checks in the words a command-line user typed: the options it names as flags
+    (max_steps -> --max-steps; a one-word option only where the message starts with it)."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    text = re.sub(r"\b[a-z0-9]+(?:_[a-z0-9]+)+\b", lambda m: flag(m[0]) if m[0] in fields else m[0], str(error))
+    first = re.match(r"([a-z0-9]+)(?=[: ])", text)
+    return flag(first[1]) + text[first.end():] if first and first[1] in fields else text
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt, so that the run stops the same way."""
 
@@ -142,7 +152,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     try:
         config = resolve_config(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
-        parser.exit(2, f"fastgrpo train: error: {e}\n")
+        parser.exit(2, f"fastgrpo train: error: {flagged(e)}\n")
     import datasets
     from transformers.utils import logging
 
@@ -200,7 +210,7 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         shapes = memory.model_shapes(model_config(config))
         plan = memory.plan_run(config, shapes, device, gpu)
     except (ValueError, TypeError, OSError) as e:
-        parser.exit(2, f"fastgrpo plan: error: {e}\n")
+        parser.exit(2, f"fastgrpo plan: error: {flagged(e)}\n")
     model = "the built-in model" if config.model_name_or_path == BUILTIN else config.model_name_or_path
     print(f"fastgrpo plan: {model} on {device}, {config.num_generations} completions of "
           f"{config.max_completion_length} tokens per prompt, {config.generation_batch_size} per round")
@@ -229,4 +239,4 @@ def _trainer(config: TrainConfig, parser: argparse.ArgumentParser):
     try:
         return Trainer(config)
     except (ValueError, TypeError, OSError, ImportError) as e:
-        parser.exit(2, f"fastgrpo train: error: {e}\n")
+        parser.exit(2, f"fastgrpo train: error: {flagged(e)}\n")

@@ -35,6 +35,9 @@ def lr_scheduler(name: str, optimizer: torch.optim.Optimizer, warmup: int, total
     """transformers' `get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)`."""
     if name in SHAPES:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, LRFactor(name, 0 if name == "constant" else warmup, total))
-    from transformers import get_scheduler
+    from transformers import SchedulerType, get_scheduler
 
+    names = [kind.value for kind in SchedulerType]
+    if name not in names:
+        raise ValueError(f"lr_scheduler_type: {name!r} is not one of transformers' schedules {names}")
     return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)

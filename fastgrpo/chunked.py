@@ -91,6 +91,49 @@ def stats_chunk_tokens(V: int, device: torch.device) -> int:
     return chunk if set_by_user else max(chunk, CPU_STATS_CHUNK_TOKENS)
 
 
+@dataclass(frozen=True)
+class HeadPlan:
+    """The device-dependent choices of the chunk loops below, made once per call (`head_plan`): CUDA's, or a CPU's
+    (any other device)."""
+
+    device_type: str  # whose choices these are: "cuda" or "cpu"
+    chunk: int  # rows of logits per chunk (chunk_tokens)
+    upcast_weight: bool  # CPU: the weight upcast once for the GEMMs (gemm_weight); CUDA takes it as is
+    fp32_output_gemm: bool  # CUDA: a chunk's fp32 logits from one GEMM of the input dtype (mm_fp32)
+    reuse_buffers: bool  # CPU: two [chunk, V] buffers reused by every chunk (ChunkBuffers)
+    dz_dtype: torch.dtype  # dZ, the operand of GEMMs 2 and 3: the input dtype on CUDA, >= fp32 on a CPU
+    blocked_stats: bool  # CPU: the no-grad pass by vocab blocks (cpu_row_stats); CUDA: whole chunks
+
+
+_EMULATED_DEVICE = None  # set by `emulate_device`
+
+
+@contextmanager
+def emulate_device(device_type: str | None):
+    """Within: the chunk loops make `device_type`'s choices (head_plan) whatever device their tensors are on (None:
+    their own). For measurements: fastgrpo.bench.memory_trace counts the CUDA branch's memory on fake CPU tensors. The
+    row ops still run the kernels of the tensors' device, and a CPU has no bf16 x bf16 -> fp32 GEMM: on real CPU
+    tensors CUDA's choices run in fp32 only."""
+    global _EMULATED_DEVICE
+    if device_type not in (None, "cuda", "cpu"):
+        raise ValueError(f"device_type must be 'cuda', 'cpu' or None, got {device_type!r}")
+    previous, _EMULATED_DEVICE = _EMULATED_DEVICE, device_type
+    try:
+        yield
+    finally:
+        _EMULATED_DEVICE = previous
+
+
+def head_plan(x: torch.Tensor, V: int) -> HeadPlan:
+    """The chunk loops' choices for the hidden states x [N, H] (their device and dtype) and a vocab of V: the device's,
+    or emulate_device's."""
+    device_type = "cuda" if (_EMULATED_DEVICE or x.device.type) == "cuda" else "cpu"
+    cuda = device_type == "cuda"
+    return HeadPlan(device_type, chunk_tokens(V, torch.device(device_type)), upcast_weight=not cuda,
+                    fp32_output_gemm=cuda, reuse_buffers=not cuda,
+                    dz_dtype=x.dtype if cuda else torch.promote_types(x.dtype, torch.float32), blocked_stats=not cuda)
+
+
 def vocab_blocks(C: int, V: int) -> list[slice]:
     """A CPU's vocab blocks for C rows: ~CPU_BLOCK_BYTES of fp32 logits each, a multiple of 128 columns."""
     width = max(128, CPU_BLOCK_BYTES // (4 * max(C, 1)) // 128 * 128)
@@ -107,11 +150,12 @@ def _torch_version() -> tuple[int, int]:
 INPLACE_FP32_ADDMM = _torch_version() >= (2, 10)
 
 
-def mm_fp32(a, b_t):
-    """a [M, K] @ b_t.T -> [M, N], at least fp32, with fp32 accumulation; no fp32 copy of b_t on CUDA."""
+def mm_fp32(a, b_t, fp32_output: bool):
+    """a [M, K] @ b_t.T -> [M, N], at least fp32, with fp32 accumulation: with `fp32_output` (CUDA's plan) one GEMM of
+    the operands as they are writing fp32, no fp32 copy of b_t; else of upcast operands."""
     if a.dtype in (torch.float32, torch.float64):
         return a @ b_t.T
-    if a.is_cuda:
+    if fp32_output:
         return torch.mm(a, b_t.T, out_dtype=torch.float32)
     return a.float() @ b_t.float().T
 
@@ -125,10 +169,10 @@ def addmm_fp32_(acc, a, b, inplace: bool = INPLACE_FP32_ADDMM):
     return acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
 
 
-def gemm_weight(x, weight):
+def gemm_weight(x, weight, plan: HeadPlan):
     """The weight as the chunk GEMMs take it: as is on CUDA; upcast once on a CPU, which has no bf16 x bf16 -> fp32
     matmul (an extra fp32 copy of the weight, fine for the small models that train on a CPU)."""
-    return weight if x.is_cuda else weight.to(torch.promote_types(x.dtype, torch.float32))
+    return weight.to(torch.promote_types(x.dtype, torch.float32)) if plan.upcast_weight else weight
 
 
 @dataclass(frozen=True)
@@ -145,16 +189,16 @@ class LogitMap:
         return cls(logit_scale / temperature, None if logit_softcap is None else logit_softcap / temperature)
 
 
-def chunk_logits(x_c, weight, bias, inv_t, out=None):
+def chunk_logits(x_c, weight, bias, inv_t, out=None, fp32_output=False):
     """scale * (x_c W^T + b): [C, V], at least fp32; into `out` when given (a CPU's reused chunk buffer, of the
-    weight's dtype), formed there in vocab blocks (vocab_blocks)."""
+    weight's dtype), formed there in vocab blocks (vocab_blocks); else by one GEMM (mm_fp32 with `fp32_output`)."""
     if out is not None:
         x_c = x_c.to(out.dtype)  # [C, H]: a CPU upcasts bf16 rows (the weight is upcast once, gemm_weight)
         for cols in vocab_blocks(*out.shape):
             torch.mm(x_c, weight[cols].T, out=out[:, cols])
         z = out
     else:
-        z = mm_fp32(x_c, weight)  # [C, V]
+        z = mm_fp32(x_c, weight, fp32_output)  # [C, V]
     if bias is not None:
         z += bias.to(z.dtype)
     if inv_t != 1.0:
@@ -279,15 +323,16 @@ class ChunkBuffers:
     scratch (a fresh 32 MiB buffer per chunk costs page faults on a CPU). CUDA: cuBLAS writes each chunk's Z and
     the Triton passes need no scratch (the caching allocator reuses the chunk's memory)."""
 
-    def __init__(self, x, V, chunk):
-        shape, dtype = (min(chunk, x.shape[0]), V), torch.promote_types(x.dtype, torch.float32)
+    def __init__(self, x, V, plan: HeadPlan):
+        shape, dtype = (min(plan.chunk, x.shape[0]), V), torch.promote_types(x.dtype, torch.float32)
         empty = lambda: torch.empty(shape, dtype=dtype, device=x.device)
-        self.z, self.scratch = (None, None) if x.is_cuda else (empty(), empty())
+        self.z, self.scratch = (empty(), empty()) if plan.reuse_buffers else (None, None)
+        self.fp32_output = plan.fp32_output_gemm
 
     def rows(self, x_c, w, bias, logits: LogitMap, ids, entropy=True) -> LogitChunk:
         """The chunk's logits and row statistics; entropy=False (no-grad passes that do not want it) saves a pass."""
         C = x_c.shape[0]
-        z = chunk_logits(x_c, w, bias, logits.scale, out=None if self.z is None else self.z[:C])
+        z = chunk_logits(x_c, w, bias, logits.scale, None if self.z is None else self.z[:C], self.fp32_output)
         return LogitChunk(z, ids, logits.softcap, entropy, self.scratch)
 
 
@@ -298,19 +343,20 @@ def logprobs_no_grad(x, weight, bias, ids, logits: LogitMap, entropy=True):
     out_dtype = torch.promote_types(x.dtype, torch.float32)
     logp = torch.empty(N, dtype=out_dtype, device=x.device)
     ent = torch.empty(N, dtype=out_dtype, device=x.device) if entropy else None
-    w = gemm_weight(x, weight)
-    if x.is_cuda or torch.compiler.is_compiling():  # (cpu_row_stats checks its sums' range on the host)
-        chunked_row_stats(x, w, bias, ids, logits, logp, ent, slice(0, N))
+    plan = head_plan(x, weight.shape[0])
+    w = gemm_weight(x, weight, plan)
+    if plan.blocked_stats and not torch.compiler.is_compiling():  # (cpu_row_stats checks its sums' range on the host)
+        cpu_row_stats(x, w, bias, ids, logits, plan, logp, ent)
     else:
-        cpu_row_stats(x, w, bias, ids, logits, logp, ent)
+        chunked_row_stats(x, w, bias, ids, logits, plan, logp, ent, slice(0, N))
     return logp, ent
 
 
-def chunked_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent, sl: slice):
-    """logp[sl] (and ent[sl] when `ent` is given) written in place from chunks of chunk_tokens rows of x[sl] and their
+def chunked_row_stats(x, w, bias, ids, logits: LogitMap, plan: HeadPlan, logp, ent, sl: slice):
+    """logp[sl] (and ent[sl] when `ent` is given) written in place from chunks of plan.chunk rows of x[sl] and their
     whole rows of logits (the row ops: Triton on CUDA; on a CPU the passes that subtract the max when needed)."""
-    step = chunk_tokens(w.shape[0], x.device)
-    buffers = ChunkBuffers(x[sl], w.shape[0], step)
+    step = plan.chunk
+    buffers = ChunkBuffers(x[sl], w.shape[0], plan)
     for start in range(sl.start, sl.stop, step):
         part = slice(start, min(start + step, sl.stop))
         rows = buffers.rows(x[part], w, bias, logits, ids[part], ent is not None)
@@ -320,14 +366,14 @@ def chunked_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent, sl: slice):
         del rows  # the chunk's logits go before the next chunk's arrive
 
 
-def cpu_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent=None):
+def cpu_row_stats(x, w, bias, ids, logits: LogitMap, plan: HeadPlan, logp, ent=None):
     """A CPU's no-grad pass: logp [N] (and entropy [N] when `ent` is given) written in place, for x [N, H] and the
     weight w [V, H] of the GEMM dtype. Each chunk's logits are formed one vocab block at a time in one reused buffer
     and consumed there, in cache: the unshifted sums s = sum_v exp(z_v), t = sum_v exp(z_v) z_v and the target's
     logit add up over the blocks (logit_row_stats's argument: exact while every row's s stays in range); a chunk with a
     row out of range is computed again by chunked_row_stats."""
     N, V = x.shape[0], w.shape[0]
-    chunk = stats_chunk_tokens(V, x.device)
+    chunk = stats_chunk_tokens(V, torch.device(plan.device_type))
     blocks = vocab_blocks(min(chunk, N), V)
     width = blocks[0].stop - blocks[0].start
     z_buf = torch.empty(min(chunk, N), width, dtype=w.dtype, device=x.device)  # [C, width]
@@ -352,7 +398,7 @@ def cpu_row_stats(x, w, bias, ids, logits: LogitMap, logp, ent=None):
                 s += e.sum(-1)
                 t += e.mul_(z).sum(-1)
         if not unshifted_in_range(s):  # logits far from zero: this chunk again, by the shifted passes
-            chunked_row_stats(x, w, bias, ids, logits, logp, ent, sl)
+            chunked_row_stats(x, w, bias, ids, logits, plan, logp, ent, sl)
             continue
         log_s = s.log()
         logp[sl] = z_y - log_s
@@ -365,18 +411,18 @@ class HeadGrads:
 
     def __init__(self, x, weight, bias, need_dx=True, need_dw=True, need_db=True):
         self.x, self.weight, self.bias = x, weight, bias
-        self.w = gemm_weight(x, weight)
-        self.buffers = ChunkBuffers(x, weight.shape[0], chunk_tokens(weight.shape[0], x.device))
+        self.plan = head_plan(x, weight.shape[0])
+        self.w = gemm_weight(x, weight, self.plan)
+        self.buffers = ChunkBuffers(x, weight.shape[0], self.plan)
         acc_dtype = torch.promote_types(x.dtype, torch.float32)
-        self.gemm_dtype = x.dtype if x.is_cuda else acc_dtype  # dZ's dtype: the GEMM operands'
+        self.gemm_dtype = self.plan.dz_dtype  # dZ's dtype: the GEMM operands'
         self.dx = torch.empty_like(x) if need_dx else None  # [N, H]
         self.dw = torch.zeros(weight.shape, dtype=acc_dtype, device=x.device) if need_dw else None  # [V, H]
         self.db = torch.zeros(weight.shape[0], dtype=acc_dtype, device=x.device) if (
             need_db and bias is not None) else None  # [V]
 
     def chunks(self):
-        N, V = self.x.shape[0], self.weight.shape[0]
-        step = chunk_tokens(V, self.x.device)
+        N, step = self.x.shape[0], self.plan.chunk
         return [slice(start, start + step) for start in range(0, N, step)]
 
     def add(self, sl, dz):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo import reference
-from fastgrpo.chunked import HeadGrads, LogitMap, chunk_tokens, logprobs_no_grad
+from fastgrpo.chunked import HeadGrads, LogitMap, logprobs_no_grad
 from fastgrpo.loss_config import LossConfig
 
 
@@ -95,13 +95,13 @@ def _objective_and_grad(logp, entropy, unit: _Unit, tokens: TokenInputs, config:
 
 def _loss_and_grads(x, weight, bias, ids, tokens: TokenInputs, config: LossConfig, need):
     """(loss, logp [N], entropy [N], (dX, dW, db)) for x [N, H], ids [N]."""
-    N, V = x.shape[0], weight.shape[0]
+    N = x.shape[0]
     logits = LogitMap.of(config.temperature, config.logit_scale, config.logit_softcap)
     out_dtype = torch.promote_types(x.dtype, torch.float32)
     logp, ent = torch.empty(N, dtype=out_dtype, device=x.device), torch.empty(N, dtype=out_dtype, device=x.device)
     grads = HeadGrads(x, weight, bias, *need)
     loss = torch.zeros((), dtype=out_dtype, device=x.device)
-    chunk = chunk_tokens(V, x.device)
+    chunk = grads.plan.chunk
     for unit in _units(N, chunk, tokens.row_lengths):
         pieces = [slice(s, min(s + chunk, unit.end)) for s in range(unit.start, unit.end, chunk)]
         two_pass = len(pieces) > 1  # one sequence longer than a chunk: its logprobs first, then its logits again

@@ -14,7 +14,7 @@ import os
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from fastgrpo.train import TrainConfig, Trainer
+from fastgrpo.train import TrainConfig, Trainer, distributed
 
 DIED = 17
 
@@ -41,6 +41,8 @@ def main() -> None:
         whole = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if trainer.world.is_main:
             torch.save({name: value.clone() for name, value in whole.items()}, params_file)
+    del trainer, whole
+    distributed.leave(finished=True)  # as `fastgrpo train` ends: wrappers, barrier, then the group
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ CASES = [(name, dtype, cc) for name in NAMES for dtype in (("bf16", "fp16", "fp3
 CASES = [case for case in CASES if case[0] not in ROW_DTYPES] + [
     (name, dtype, cc) for name, dtypes in ROW_DTYPES.items() for dtype in dtypes for cc in (90, 80)]
 
+# One subprocess builds every kernel for both GPU targets (~17 s on a 2-core CPU) before any test here runs.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def builds():

@@ -4,11 +4,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def fastgrpo(*args, cwd):
     return subprocess.run([sys.executable, "-m", "fastgrpo", *args], capture_output=True, text=True, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_bench_sampling_quick_writes_results(tmp_path):
     out = fastgrpo("bench", "sampling", "--quick", "--device", "cpu", "--methods", "fastgrpo", "hf_generate",
                    "--out-dir", str(tmp_path), cwd=tmp_path)

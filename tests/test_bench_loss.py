@@ -24,6 +24,7 @@ def close(value, expected, rel):
     return abs(value - expected) <= rel * abs(expected) + 1e-6
 
 
+@pytest.mark.slow
 def test_bench_loss_tiny_writes_results_and_agrees_with_reference(tmp_path):
     pytest.importorskip("matplotlib")
     methods = ["fastgrpo", "reference", "torch_lce", *FLOORS] + (["trl"] if _installed("trl") else [])
@@ -128,8 +129,9 @@ def _installed(package):
 
 def test_fastgrpo_bench_without_a_suite_runs_the_loss_suite(monkeypatch):
     from fastgrpo import cli
+    from fastgrpo.bench import loss
 
     seen = []
-    monkeypatch.setattr(cli.loss, "run", lambda args: seen.append((args.suite, args.quick)))
+    monkeypatch.setattr(loss, "run", lambda args: seen.append((args.suite, args.quick)))
     cli.main(["bench", "--quick"])
     assert seen == [("loss", True)]

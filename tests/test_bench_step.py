@@ -17,6 +17,7 @@ def bench(*args, cwd):
                           cwd=cwd)
 
 
+@pytest.mark.slow
 def test_bench_step_quick_runs_both_trainers(tmp_path):
     out = bench("--quick", "--device", "cpu", "--out-dir", str(tmp_path), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -15,6 +15,7 @@ def bench(*args, cwd):
                           cwd=cwd)
 
 
+@pytest.mark.slow
 def test_bench_trl_quick_writes_results(tmp_path):
     out = bench("--quick", "--device", "cpu", "--threads", "1", "--out-dir", str(tmp_path), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]

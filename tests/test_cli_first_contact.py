@@ -43,6 +43,7 @@ def data_with(tmp_path: Path, rows: list[dict]) -> Path:
 # -- the user's own modules ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_reward_module_in_the_working_directory_imports_from_the_console_script(assets, tmp_path):
     script = Path(sys.executable).parent / "fastgrpo"
     if not script.is_file():
@@ -164,6 +165,26 @@ def test_plan_columns_are_apart_and_without_memory_it_says_what_to_pass(capsys):
     header = out[1]
     assert "logprobs  train: forward  train: loss  train: backward" in header
     assert out[-1].startswith("no --gpu-memory given: pass the device's memory")
+
+
+# -- the KV pool ---------------------------------------------------------------------------------------------------
+
+
+def test_kv_cache_blocks_too_few_or_too_many_is_refused_before_loading(assets, tmp_path, capsys):
+    """--kv-cache-blocks against one prompt group's pages (-G 4 completions of 4 tokens after a prompt of under 12:
+    4 pages of 16 tokens) and against the memory there is (10**9 pages of 8 KiB: 7.5 TiB), before the model loads:
+    the engine would say the first only at the first evaluation, in its own names, and build the second's page
+    lists until the kernel killed the process."""
+    said = fails(capsys, train_args(assets, tmp_path / "few", "--kv-cache-blocks", "1"))
+    assert said == ("fastgrpo train: error: --kv-cache-blocks 1 is too few: sampling one prompt group (a prompt and "
+                    "its --num-generations 4 completions of up to --max-completion-length 4 tokens) needs 4 pages of "
+                    "16 tokens; give at least 4, or leave it unset to size the pool from --sampling-memory-fraction")
+    said = fails(capsys, train_args(assets, tmp_path / "many", "--kv-cache-blocks", str(10**9)))
+    assert said.startswith("fastgrpo train: error: --kv-cache-blocks 1000000000 is too many: the KV pool would take "
+                           "7629.4 GiB (8192 bytes a page), and "), said
+    assert "GiB is available (MemAvailable in /proc/meminfo); at most " in said
+    assert not (tmp_path / "few").exists() and not (tmp_path / "many").exists()
+    main(train_args(assets, tmp_path / "four", "--kv-cache-blocks", "4", "--max-steps", "1"))  # the engine's least
 
 
 # -- --resume --------------------------------------------------------------------------------------------------------

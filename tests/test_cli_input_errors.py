@@ -1,7 +1,7 @@
 """Bad input to `fastgrpo train` and the engine: refused before anything runs, with an error that names what to fix
 (the option, the file and line, the function and sample), leaving every file outside the run as it was.
 
-The tiny model and dataset come from test_train's `assets` fixture; a failing run's output_dir is tmp_path / "run",
+The tiny model and dataset come from conftest's `assets` fixture; a failing run's output_dir is tmp_path / "run",
 its inputs live in tmp_path / "in".
 """
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import tiny_config
 from huggingface_hub import constants as hub_constants
-from test_train import assets, make_config  # noqa: F401 - assets is a fixture (F811 where it is used)
+from train_helpers import make_config
 from transformers import GPT2Config, Qwen2Config, Qwen2ForCausalLM
 
 from fastgrpo.bench import environment, results_stem
@@ -29,7 +29,7 @@ from fastgrpo.sampling import Engine, SamplingParams
 from fastgrpo.sampling.engine import context_window
 from fastgrpo.train import TrainConfig
 from fastgrpo.train.data import PromptOrder, load_rows, prepare
-from fastgrpo.train.model import load_tokenizer
+from fastgrpo.train.loading import load_tokenizer
 from fastgrpo.train.rewards import RewardError, Rewards
 
 
@@ -72,12 +72,12 @@ def train_error(capsys, *args) -> str:
 
 
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
-def test_one_generation_per_prompt_is_refused(assets, tmp_path, scale_rewards):  # noqa: F811
+def test_one_generation_per_prompt_is_refused(assets, tmp_path, scale_rewards):
     with pytest.raises(ValueError, match=r"num_generations must be >= 2, got 1"):
         make_config(assets, tmp_path, num_generations=1, scale_rewards=scale_rewards)
 
 
-def test_float_options_take_numeric_strings_as_yaml_and_trl_do(assets, inputs):  # noqa: F811
+def test_float_options_take_numeric_strings_as_yaml_and_trl_do(assets, inputs):
     path = inputs / "run.yaml"
     path.write_text(f"model_name_or_path: {assets['model']}\ndataset_name: {assets['data']}\nlearning_rate: 1e-4\n"
                     "epsilon_high: 2E-1\nreward_funcs: [accuracy, length]\nreward_weights: [1, 5e-1]\n")
@@ -94,7 +94,7 @@ def test_float_options_take_numeric_strings_as_yaml_and_trl_do(assets, inputs): 
             TrainConfig.from_yaml(path)
 
 
-def test_seed_out_of_range_is_named_with_its_range(assets, tmp_path, capsys):  # noqa: F811
+def test_seed_out_of_range_is_named_with_its_range(assets, tmp_path, capsys):
     for seed in (2**70, 2**32, -1):
         with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*32\)"):
             make_config(assets, tmp_path, seed=seed)
@@ -111,7 +111,7 @@ def test_seed_out_of_range_is_named_with_its_range(assets, tmp_path, capsys):  #
 # -- config files --------------------------------------------------------------------------------------------------
 
 
-def test_yaml_duplicate_key_names_the_key_and_both_lines(assets, inputs, capsys):  # noqa: F811
+def test_yaml_duplicate_key_names_the_key_and_both_lines(assets, inputs, capsys):
     path = inputs / "run.yaml"
     path.write_text(f"model_name_or_path: {assets['model']}\nlearning_rate: 1.0e-3\ndataset_name: {assets['data']}\n"
                     "learning_rate: 1.0e-6\n")
@@ -162,7 +162,7 @@ GOOD = {"prompt": "1+2=", "answer": "3"}
     ("train.jsonl", b'{"prompt": "1+2="}\n{"prompt": "\xff"}\n', r"line 2: not UTF-8 text \(byte 0xff\)"),
     ("train.parquet", "not parquet", "not a readable parquet file"),
 ])  # fmt: skip
-def test_bad_data_file_names_the_file_and_line(assets, tmp_path, inputs, name, content, message):  # noqa: F811
+def test_bad_data_file_names_the_file_and_line(assets, tmp_path, inputs, name, content, message):
     path = inputs / name
     if isinstance(content, list):
         write_jsonl(path, content)
@@ -175,7 +175,7 @@ def test_bad_data_file_names_the_file_and_line(assets, tmp_path, inputs, name, c
         assert "\n" not in str(info.value)
 
 
-def test_null_answer_is_refused_naming_file_row_line_and_column(assets, tmp_path, inputs, capsys):  # noqa: F811
+def test_null_answer_is_refused_naming_file_row_line_and_column(assets, tmp_path, inputs, capsys):
     """Refused rather than skipped: a null answer is a broken row, and skipping it would silently shrink the data."""
     path = write_jsonl(inputs / "train.jsonl", [GOOD, "", {"prompt": "2+2=", "answer": None}, GOOD])
     config = make_config(assets, tmp_path, dataset_name=str(path), dataset_test_split=None)
@@ -202,7 +202,7 @@ def test_null_answer_is_refused_naming_file_row_line_and_column(assets, tmp_path
 # -- the context window --------------------------------------------------------------------------------------------
 
 
-def test_prompt_past_the_context_window_is_refused_naming_row_and_options(assets, tmp_path, inputs):  # noqa: F811
+def test_prompt_past_the_context_window_is_refused_naming_row_and_options(assets, tmp_path, inputs):
     """The assets model has 64 positions; its tokenizer is one token per character."""
     long_prompt = "1" * 61 + "+1="  # 64 tokens
     path = write_jsonl(inputs / "train.jsonl", [GOOD, GOOD, {"prompt": long_prompt, "answer": "2"}])
@@ -237,6 +237,14 @@ def test_engine_refuses_to_sample_past_the_context_window():
     assert context_window(GPT2Config(n_positions=128)) == 128
     unknown = types.SimpleNamespace(get_text_config=lambda: types.SimpleNamespace(hidden_size=32))
     assert context_window(unknown) is None  # unknown: nothing is checked
+
+
+def test_engine_refuses_a_pool_larger_than_memory_before_building_it():
+    """10**12 pages: refused before the pool's page lists (48 bytes a page) are built."""
+    model = Qwen2ForCausalLM(tiny_config(Qwen2Config, 16)).eval()
+    with pytest.raises(ValueError, match=r"num_blocks=1000000000000 pages of \d+ bytes take more than the [\d.]+ GiB "
+                                         r"available on cpu; at most \d+"):
+        Engine(model, num_blocks=10**12).generate([[3] * 4], params=SamplingParams(max_new_tokens=2, stop_token_ids=()))
 
 
 # -- rewards -------------------------------------------------------------------------------------------------------
@@ -289,7 +297,7 @@ def test_rewards_must_be_finite_in_float32_naming_function_and_sample(inputs):
 # -- models and datasets that are not there ------------------------------------------------------------------------
 
 
-def test_missing_local_paths_are_named_without_asking_the_hub(assets, tmp_path, inputs, capsys):  # noqa: F811
+def test_missing_local_paths_are_named_without_asking_the_hub(assets, tmp_path, inputs, capsys):
     (inputs / "not-a-model").mkdir()
     (inputs / "not-a-model" / "notes.txt").write_text("x")
     run = tmp_path / "run"
@@ -329,7 +337,8 @@ for args in sys.argv[1:]:
 """
 
 
-def test_offline_hub_names_say_what_was_looked_for_and_where(assets, tmp_path, inputs):  # noqa: F811
+@pytest.mark.slow
+def test_offline_hub_names_say_what_was_looked_for_and_where(assets, tmp_path, inputs):
     """The hub is not reachable from the tests: offline mode answers at once, where the network would retry."""
     home = inputs / "hf-home"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(home)}

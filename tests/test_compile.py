@@ -106,6 +106,7 @@ def test_compiled_fused_grpo_loss_equals_eager(level):
     _assert_equal(got, want)
 
 
+@pytest.mark.slow
 def test_inductor_compiled_loss_matches_eager():
     """Inductor fuses the objective's elementwise math and the GEMMs' neighbours (its own rounding), not the row
     ops: fp32 results within 1e-5 of eager's."""

@@ -1,14 +1,15 @@
-"""The decode step's bytes, counted op by op on fake tensors (fastgrpo.memory_trace.count_decode_bytes): the fused
-layers' kernels move what their formulas say, and far less than transformers' modules."""
+"""The decode step's bytes, counted op by op on fake tensors (fastgrpo.bench.memory_trace.count_decode_bytes): the
+fused layers' kernels move what their formulas say, and far less than transformers' modules."""
 
-from pathlib import Path
+import json
 
 import pytest
 from transformers import AutoConfig
 
-from fastgrpo.memory_trace import count_decode_bytes
+from fastgrpo.bench import MODELS
+from fastgrpo.bench.memory_trace import count_decode_bytes
 
-CONFIG = Path(__file__).parent.parent / "benchmarks" / "models" / "qwen2.5-1.5b"
+CONFIG = MODELS / "qwen2.5-1.5b"
 
 
 @pytest.fixture(scope="module")
@@ -37,3 +38,14 @@ def test_transformers_layer_moves_three_times_as_much(counts):
     assert 0 < plain["layer"]["gemm"] - fused["layer"]["gemm"] < 0.05 * plain["layer"]["gemm"]
     # the sampler: an fp32 copy, max, subtract, exp, fp64 cumsum against one read of the bf16 logits and a tile
     assert plain["head"]["elementwise"] > 10 * (fused["head"]["fused"] + fused["head"]["elementwise"])
+
+
+def test_the_decode_bytes_suite_writes_its_counts(counts, tmp_path):
+    from fastgrpo.cli import main
+
+    main(["bench", "decode-bytes", "--models", "qwen2.5-1.5b", "--sequences", "8", "--context", "40", "--out-dir",
+          str(tmp_path)])
+    (md,), (record,) = tmp_path.glob("decode-bytes-*.md"), tmp_path.glob("decode-bytes-*.json")
+    record = json.loads(record.read_text())["qwen2.5-1.5b"]
+    assert record == {"num_hidden_layers": 28, "transformers": counts[False], "fused": counts[True]}
+    assert "| qwen2.5-1.5b | fused | 8 (4) |" in md.read_text()

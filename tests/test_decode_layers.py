@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from test_sampling import NO_STOP, prompts_for, tiny
+from sampling_helpers import FAMILIES, NO_STOP, prompts_for, tiny
 
 from fastgrpo.sampling import Engine, SamplingParams
 from fastgrpo.sampling.decode_layers import FusedDecoder, rotate_half, unsupported
@@ -23,7 +23,7 @@ def completions(outputs):
     return [(c.token_ids, c.logprobs, c.finish_reason) for group in outputs for c in group]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_fused_layers_sample_what_transformers_modules_sample(family):
     """CPU: bit-equal tokens and logprobs, greedy and seeded, with chunked prefill and mixed batches."""
     model = tiny(family)
@@ -205,6 +205,7 @@ def test_fused_sampler_matches_the_pytorch_sampler(dtype, temperature, top_k):
 
 
 @interpreter
+@pytest.mark.slow
 def test_triton_engine_samples_the_torch_engines_tokens():
     """The fused kernels end to end (decode layers, paged attention, fused sampler) against the CPU engine, seeded:
     the same tokens, logprobs to 1e-5."""

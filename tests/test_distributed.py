@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-import test_train
 import torch
 from safetensors import safe_open
-from test_train import assert_same_metrics
+from train_helpers import assert_same_metrics
 from transformers import AutoModelForCausalLM
 
 from fastgrpo.train import TrainConfig, Trainer, checkpoint
@@ -31,7 +30,6 @@ from fastgrpo.train.trainer import merge_metrics
 
 DRIVER = Path(__file__).parent / "distributed_driver.py"
 TOL = 1e-5  # metrics (relative, or absolute near 0) and parameters (of the largest entry)
-assets = test_train.assets  # a tiny random Qwen2 (untied head) and the arithmetic task's JSONL files
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +101,7 @@ CASES = {  # name: (assets fixture, options)
 }
 
 
+@pytest.mark.slow
 def test_two_processes_train_as_one(assets, tied, tmp_path):
     """FSDP2 and DDP on 2 processes x 4 = 1 process x 8, metric by metric and parameter by parameter."""
     fixtures = {"assets": assets, "tied": tied}
@@ -123,6 +122,7 @@ def test_two_processes_train_as_one(assets, tied, tmp_path):
             assert_same_parameters(params, torch.load(str(output) + ".pt"))
 
 
+@pytest.mark.slow
 def test_torchrun_fastgrpo_train_shards_by_default(tied, tmp_path):
     """`torchrun -m fastgrpo train` on 2 processes: FSDP2 by default; only rank 0 writes logs, plot and the summary;
     the last checkpoint is sharded (DCP) and holds the whole model exported with save_pretrained, equal to what one
@@ -151,6 +151,7 @@ class Killed(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_resume_at_two_and_at_one_process(tied, tmp_path, monkeypatch):
     """A 2-process run killed right after its checkpoint of step 2, resumed with 2 and with 1 process, ends where an
     unbroken run does; so does a 1-process run killed there and resumed with 2 (its optimizer.pt sharded by FSDP2)."""
@@ -202,6 +203,7 @@ def reward(prompts, completions, **columns):
 
 
 @pytest.mark.parametrize("hang", [False, True])
+@pytest.mark.slow
 def test_a_failing_rank_stops_every_rank(tied, tmp_path, hang):
     """A reward that raises on rank 1 ends both ranks with its error; one that hangs there ends rank 0 when the
     collective's timeout (ddp_timeout) runs out, and torchrun then stops rank 1."""

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_trl_example_trains():
     pytest.importorskip("trl")
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "trl_grpo_tiny.py")], capture_output=True,

@@ -4,7 +4,7 @@ scaling, sums, accumulation and retained graphs; long sequences take two passes;
 import pytest
 import torch
 from helpers import assert_no_worse, leaf, make_problem
-from test_grpo_loss import check, run
+from loss_helpers import check, run
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastgrpo import chunked
@@ -333,3 +333,91 @@ def test_bad_importance_weights_and_softcap_are_named():
         fused_grpo_loss(x, w, p["ids"], p["mask"], p["adv"], config=LossConfig(), importance_weights=torch.ones(3))
     with pytest.raises(ValueError, match="logit_softcap must be None or a finite number > 0"):
         LossConfig(logit_softcap=0.0)
+
+
+# -- the CUDA branch's choices on another device (chunked.emulate_device, for memory traces) ------------------------
+
+
+class _OpLog(TorchDispatchMode):
+    """Each op and its tensor outputs' shapes and dtypes (not their device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outputs = out if isinstance(out, (tuple, list)) else [out]
+        self.ops.append((str(func), [(tuple(t.shape), t.dtype) for t in outputs if isinstance(t, torch.Tensor)]))
+        return out
+
+
+def _fake_head(device: str, emulate: str | None, no_grad_pass: bool = True, N=5000, H=64, V=151936):
+    """(the plan, every op) of the chunk loops of a no-grad pass and a gradient pass (HeadGrads) on fake bf16 tensors
+    of `device`, a real vocab: nothing is allocated."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    logits = chunked.LogitMap()
+    with FakeTensorMode(), chunked.emulate_device(emulate), _OpLog() as log:
+        x = torch.empty(N, H, dtype=torch.bfloat16, device=device)
+        w = torch.empty(V, H, dtype=torch.bfloat16, device=device)
+        ids = torch.zeros(N, dtype=torch.long, device=device)
+        if no_grad_pass:  # (a CPU's checks its sums on the host: not on fake tensors)
+            chunked.logprobs_no_grad(x, w, None, ids, logits)
+        grads = chunked.HeadGrads(x, w, None)
+        for sl in grads.chunks():
+            rows = grads.buffers.rows(x[sl], grads.w, None, logits, ids[sl])
+            grads.add(sl, rows.grad(torch.ones_like(rows.logp), None, 1.0, grads.gemm_dtype))
+        grads.result()
+    return grads.plan, log.ops
+
+
+CUDA_PLAN = chunked.HeadPlan("cuda", chunk=2**31 // (6 * 151936) // 128 * 128, upcast_weight=False,
+                             fp32_output_gemm=True, reuse_buffers=False, dz_dtype=torch.bfloat16, blocked_stats=False)
+
+
+def test_emulated_cuda_head_makes_the_cuda_branch_choices():
+    """emulate_device("cuda") on CPU tensors gives the plan of CUDA tensors (its chunk size, the weight as is, per-chunk
+    fp32 logits from bf16 operands, no reused buffers, dZ in bf16), and the loops follow it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # (a CPU build makes fake CUDA tensors, but no views of them)
+        cuda_x = torch.empty(5000, 64, dtype=torch.bfloat16, device="cuda")
+    cpu_x = torch.empty(5000, 64, dtype=torch.bfloat16)
+    assert chunked.head_plan(cuda_x, 151936) == CUDA_PLAN and CUDA_PLAN.chunk == 2304
+    with chunked.emulate_device("cuda"):
+        assert chunked.head_plan(cpu_x, 151936) == CUDA_PLAN
+    assert chunked.head_plan(cpu_x, 151936) == chunked.HeadPlan(
+        "cpu", chunk=256, upcast_weight=True, fp32_output_gemm=False, reuse_buffers=True, dz_dtype=torch.float32,
+        blocked_stats=True)
+    plan, ops = _fake_head("cpu", "cuda")
+    assert plan == CUDA_PLAN
+    gemms = [outputs for op, outputs in ops if op == "aten.mm.dtype"]  # GEMM 1: fp32 logits from bf16 operands
+    assert gemms == [[((2304, 151936), torch.float32)], [((2304, 151936), torch.float32)],
+                     [((392, 151936), torch.float32)]] * 2  # the no-grad pass, then the gradient's
+    made = {(op.split(".")[1], *output) for op, outputs in ops for output in outputs}
+    assert ("_to_copy", (151936, 64), torch.float32) not in made  # the weight as is
+    assert ("empty", (2304, 151936), torch.bfloat16) in made  # dZ in bf16
+    _, cpu_ops = _fake_head("cpu", None, no_grad_pass=False)
+    assert "aten.mm.dtype" not in {op for op, _ in cpu_ops}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fake CUDA tensors take views only in a CUDA build")
+def test_emulated_cuda_head_runs_the_ops_of_cuda_tensors():
+    cuda_plan, cuda_ops = _fake_head("cuda", None)
+    plan, ops = _fake_head("cpu", "cuda")
+    assert plan == cuda_plan == CUDA_PLAN and len(ops) > 50 and ops == cuda_ops
+
+
+def test_emulated_cuda_head_computes_the_same_loss():
+    """CUDA's choices on real (fp64) CPU tensors give the CPU branch's loss and gradients."""
+    p = make_problem()
+    config = LossConfig(beta=0.04)
+    plain = _grads(p, config, lambda loss, x: loss.backward())
+    with chunked.emulate_device("cuda"):
+        emulated = _grads(p, config, lambda loss, x: loss.backward())
+    for name in GRADS:
+        torch.testing.assert_close(emulated[name], plain[name], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="device_type must be"):
+        with chunked.emulate_device("tpu"):
+            pass

@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).parent.parent / "fastgrpo"
 # Each module's layer: a module may import from its own layer or a lower one, never a higher one.
 LAYERS = [
     ("fastgrpo.cli", "fastgrpo.__main__"),
-    ("fastgrpo.bench", "fastgrpo.memory_trace"),
+    ("fastgrpo.bench",),
     ("fastgrpo.train", "fastgrpo.integrations"),
     ("fastgrpo.loss", "fastgrpo.grpo_head", "fastgrpo.chunked", "fastgrpo.reference", "fastgrpo.sampling"),
     ("fastgrpo.kernels", "fastgrpo.loss_config", "fastgrpo.models", "fastgrpo.memory", "fastgrpo.sizes"),

@@ -1,5 +1,5 @@
-"""The row kernels over fp32 logits (kernels/logit_rows.py), three ways: float64 autograd ground truth, the same math
-in fp32 torch, the kernels (under the interpreter on CPU, for real with CUDA)."""
+"""The row kernels over fp32 logits (fastgrpo/kernels/logit_rows.py), three ways: float64 autograd ground truth, the
+same math in fp32 torch, the kernels (under the interpreter on CPU, for real with CUDA)."""
 
 import math
 import os

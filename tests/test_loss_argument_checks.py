@@ -1,4 +1,5 @@
-"""Bad input gets a clear ValueError/TypeError naming the argument; nothing runs on it."""
+"""The loss API's argument checks (fused_grpo_loss, grpo_loss, GRPOLoss, LossConfig, token_logprobs, the backend
+variable): bad input gets a clear ValueError/TypeError naming the argument; nothing runs on it."""
 
 import pytest
 import torch

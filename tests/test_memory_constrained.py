@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from test_train import assert_same_metrics, assets, killed_then_resumed, make_config  # noqa: F401
+from train_helpers import assert_same_metrics, killed_then_resumed, make_config
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from fastgrpo.cli import main
@@ -53,7 +53,7 @@ def test_offloaded_checkpoints_give_the_gradients_of_plain_checkpointing():
     assert offload.packed == 4
 
 
-def test_offload_activations_trains_like_plain_checkpointing(assets, tmp_path):  # noqa: F811
+def test_offload_activations_trains_like_plain_checkpointing(assets, tmp_path):
     """`offload_activations` in the trainer: the same metrics and weights as without it."""
     settings = dict(max_steps=2, save_steps=2, beta=0.05)
     Trainer(make_config(assets, tmp_path / "a", **settings)).train()
@@ -73,7 +73,7 @@ def test_offload_activations_trains_like_plain_checkpointing(assets, tmp_path): 
 # -- 8-bit AdamW and 4-bit base weights: exact resumes ---------------------------------------------------------------
 
 
-def resumed_equals_unbroken(assets, tmp_path, monkeypatch, **settings):  # noqa: F811
+def resumed_equals_unbroken(assets, tmp_path, monkeypatch, **settings):
     """4 steps unbroken, and killed after the step-2 checkpoint then resumed: the same metrics."""
     resumed = killed_then_resumed(assets, tmp_path, monkeypatch, max_steps=4, save_steps=2, **settings)
     assert_same_metrics(read_metrics(tmp_path / "a" / "run"), read_metrics(tmp_path / "b" / "run"))
@@ -88,7 +88,7 @@ def saved_tensors(path) -> dict:
 
 
 @pytest.mark.parametrize("use_peft", [False, True], ids=["full", "lora"])
-def test_adamw_8bit_resumes_exactly(assets, tmp_path, monkeypatch, use_peft):  # noqa: F811
+def test_adamw_8bit_resumes_exactly(assets, tmp_path, monkeypatch, use_peft):
     settings = dict(optim="adamw_8bit", use_peft=use_peft, lora_r=64)  # r 64: lora_A [64, 64] gets 8-bit states
     trainer = resumed_equals_unbroken(assets, tmp_path, monkeypatch, **settings)
     assert isinstance(trainer.optimizer, bnb.optim.AdamW8bit)
@@ -102,7 +102,7 @@ def test_adamw_8bit_resumes_exactly(assets, tmp_path, monkeypatch, use_peft):  #
         assert not torch.allclose(a["lm_head.weight"], initial["lm_head.weight"], atol=1e-4)  # it trained
 
 
-def test_4bit_lora_resumes_exactly_and_keeps_the_head_unquantized(assets, tmp_path, monkeypatch):  # noqa: F811
+def test_4bit_lora_resumes_exactly_and_keeps_the_head_unquantized(assets, tmp_path, monkeypatch):
     trainer = resumed_equals_unbroken(assets, tmp_path, monkeypatch, use_peft=True, load_in_4bit=True, lora_r=8,
                                       beta=0.04)
     net = trainer.model.base_model.model
@@ -115,7 +115,7 @@ def test_4bit_lora_resumes_exactly_and_keeps_the_head_unquantized(assets, tmp_pa
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0, msg=name)
 
 
-def test_the_engine_samples_from_the_4bit_model(assets, tmp_path):  # noqa: F811
+def test_the_engine_samples_from_the_4bit_model(assets, tmp_path):
     """The paged engine runs the same 4-bit modules: its greedy completions are transformers' greedy ones."""
     from fastgrpo.sampling import SamplingParams
 
@@ -131,6 +131,7 @@ def test_the_engine_samples_from_the_4bit_model(assets, tmp_path):  # noqa: F811
         assert got == want[: len(got)] and (len(got) == 5 or got[-1] in trainer.stop_token_ids)
 
 
+@pytest.mark.slow
 def test_4bit_lora_learns_the_builtin_task(tmp_path):
     """QLoRA on the built-in task: held-out accuracy rises (NF4 base, LoRA r 16 on every linear layer but the head)."""
     config = TrainConfig.from_yaml(
@@ -144,7 +145,7 @@ def test_4bit_lora_learns_the_builtin_task(tmp_path):
 # -- bad values ------------------------------------------------------------------------------------------------------
 
 
-def test_memory_options_refuse_bad_values(assets, tmp_path, capsys, monkeypatch):  # noqa: F811
+def test_memory_options_refuse_bad_values(assets, tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["train", "--optim", "sgd"])
     err = capsys.readouterr().err

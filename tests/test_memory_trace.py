@@ -1,20 +1,22 @@
-"""fastgrpo.memory_trace: live-tensor byte counts, fake-tensor traces of a micro-batch and a decode step, and the
+"""fastgrpo.bench.memory_trace: live-tensor byte counts, fake-tensor traces of a micro-batch and a decode step, and the
 per-phase peaks of a real Trainer's step."""
 
 import gc
 
 import pytest
 import torch
-from test_train import assets, make_config  # noqa: F401 - assets is a fixture
+from train_helpers import make_config
 from transformers import Qwen2Config
 
-from fastgrpo.memory_trace import LiveBytes, storage_bytes, trace_decode_step, trace_train_step
+from fastgrpo.bench.memory_trace import LiveBytes, storage_bytes, trace_decode_step, trace_train_step
 from fastgrpo.train import Trainer
 
 F32 = 4
 
 
-def tiny_config(**overrides) -> Qwen2Config:
+def traced_qwen2_config(**overrides) -> Qwen2Config:
+    """The Qwen2 config the traces run on: 3 layers, hidden 64, GQA 2, vocab 512, untied head; `overrides` change it.
+    (helpers.tiny_config is the 2-layer config of any model class that the TRL tests use.)"""
     values = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
     return Qwen2Config(**{**values, **overrides})
@@ -89,7 +91,7 @@ def test_live_bytes_autograd():
 
 @pytest.fixture(scope="module")
 def traces() -> dict:
-    config = tiny_config()
+    config = traced_qwen2_config()
     runs = {"ckpt": {}, "no_ckpt": dict(gradient_checkpointing=False), "offload": dict(offload_activations=True),
             "full": dict(use_peft=False, **LONG),
             "full_offload": dict(use_peft=False, offload_activations=True, **LONG)}
@@ -118,7 +120,7 @@ def test_trace_train_step_checkpointing_lowers_the_peak(traces):
 def test_trace_train_step_offload(traces):
     """Offloading keeps one [tokens, hidden] bf16 input per layer, all but the last, off the device. With LoRA the
     first layer's input stays: peft makes the embeddings' output a leaf that requires grad, which autograd holds."""
-    config = tiny_config()
+    config = traced_qwen2_config()
     per_layer = lambda shape: shape["micro_batch"] * (shape["prompt_length"] + shape["completion_length"]) * (
         config.hidden_size * 2)
     full, offloaded = traces["full"], traces["full_offload"]
@@ -132,7 +134,7 @@ def test_trace_train_step_offload(traces):
 def test_trace_train_step_4bit_and_8bit_optimizer():
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
-    config = tiny_config(hidden_size=128, intermediate_size=256)
+    config = traced_qwen2_config(hidden_size=128, intermediate_size=256)
     plain = trace_train_step(config, **SHAPE)
     quantized = trace_train_step(config, **SHAPE, load_in_4bit=True, optim="adamw_8bit")
     H, inter, L = 128, 256, 3
@@ -150,7 +152,7 @@ def test_trace_train_step_4bit_and_8bit_optimizer():
 
 
 def test_trace_decode_step_kv_cache_exact():
-    config = tiny_config()
+    config = traced_qwen2_config()
     seqs, ctx = 6, 64  # ctx: whole pages of 16
     run = trace_decode_step(config, dtype=torch.bfloat16, num_sequences=seqs, context_length=ctx)
     head_dim = config.hidden_size // config.num_attention_heads
@@ -162,11 +164,22 @@ def test_trace_decode_step_kv_cache_exact():
     assert cpu["forward"] > run["forward"]
 
 
+def test_decode_traces_register_their_attention_and_leave_the_built_in_ones():
+    from fastgrpo.sampling import attention
+
+    built_in = {name: attention.BACKENDS[name] for name in attention.BUILT_IN}
+    trace_decode_step(traced_qwen2_config(), num_sequences=2, context_length=32)
+    assert {name: attention.BACKENDS[name] for name in attention.BUILT_IN} == built_in
+    assert attention.TRITON_BACKENDS >= {"triton", "flash"}
+    with pytest.raises(ValueError, match="'torch' is built in"):
+        attention.register_backend("torch", lambda query, k_cache, v_cache, batch, scale: query)
+
+
 # -- measure_trainer_step --------------------------------------------------------------------------------------------
 
 
-def test_measure_trainer_step(assets, tmp_path):  # noqa: F811
-    from fastgrpo.memory_trace import measure_trainer_step
+def test_measure_trainer_step(assets, tmp_path):
+    from fastgrpo.bench.memory_trace import measure_trainer_step
 
     trainer = Trainer(make_config(assets, tmp_path, beta=0.04, max_steps=1))  # beta: reference logprobs
     try:

@@ -3,7 +3,7 @@ one run at a time), checkpoints that are damaged or were written by someone else
 Ctrl-C, SIGTERM or SIGKILL.
 
 Every refusal is checked to name the thing to fix and to leave every file in the test's folder as it was. The tiny
-model and dataset are test_train.py's.
+model and dataset are conftest's `assets`.
 """
 
 import hashlib
@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-import test_train
 import torch
-from test_train import assert_same_metrics, make_config
+from train_helpers import assert_same_metrics, make_config
 from transformers import AutoModelForCausalLM
 
 from fastgrpo.cli import main
@@ -30,7 +29,6 @@ from fastgrpo.train.checkpoint import CheckpointError
 from fastgrpo.train.logs import MetricsLog, read_metrics
 from fastgrpo.train.run_dir import LOCK_FILE
 
-assets = test_train.assets  # the fixture: a tiny random Qwen2 and the arithmetic task's JSONL files
 SMALL = dict(save_steps=1, eval_num_samples=4)
 
 
@@ -366,6 +364,7 @@ def partial_checkpoint(run: Path) -> Path | None:
 
 
 @pytest.mark.parametrize("moment", ["mid_step", "mid_checkpoint"])
+@pytest.mark.slow
 def test_sigkill_then_resume_equals_an_unbroken_run(assets, tmp_path, moment):
     """`python -m fastgrpo train` killed during step 2 (checkpoint-1 complete) or while checkpoint-2 is being
     written, then resumed."""

@@ -7,55 +7,25 @@ import os
 import pytest
 import torch
 from helpers import assert_close, word_tokenizer
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from sampling_helpers import (
+    FAMILIES,
+    NO_STOP,
+    NUM_WORDS,
+    expected_logprobs,
+    full_forward_logits,
+    hf_greedy,
+    prompts_for,
+    tiny,
+)
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from fastgrpo.sampling import Engine, EngineConfig, SamplingParams
 from fastgrpo.sampling.sampler import processed_logits
 
-NUM_WORDS = 125  # vocab 128 with the 3 special tokens
 
-
-def tiny(family: str, seed: int = 0):
-    """A tiny fp32 model with peaked output distributions (random init std 0.02 makes them almost uniform, and
-    greedy ties would then hinge on the last ulp)."""
-    common = dict(vocab_size=NUM_WORDS + 3, num_hidden_layers=2, max_position_embeddings=256, eos_token_id=1,
-                  pad_token_id=0, bos_token_id=1, tie_word_embeddings=False)
-    if family == "qwen2":  # 4 query heads on 2 KV heads
-        model_cls, config = Qwen2ForCausalLM, Qwen2Config(hidden_size=64, intermediate_size=128,
-                                                          num_attention_heads=4, num_key_value_heads=2, **common)
-    elif family == "qwen3":  # q/k norms, explicit head_dim
-        model_cls, config = Qwen3ForCausalLM, Qwen3Config(hidden_size=64, intermediate_size=128, head_dim=16,
-                                                          num_attention_heads=4, num_key_value_heads=4, **common)
-    else:  # 6 query heads on 1 KV head
-        model_cls, config = LlamaForCausalLM, LlamaConfig(hidden_size=96, intermediate_size=128,
-                                                          num_attention_heads=6, num_key_value_heads=1, **common)
-    torch.manual_seed(seed)
-    model = model_cls(config).float().eval()
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 0.3)
-    return model
-
-
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "llama"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def model(request):
     return tiny(request.param)
-
-
-def prompts_for(block_size: int, seed: int = 0) -> list[list[int]]:
-    """Ragged lengths at and across page boundaries."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = [1, block_size - 1, block_size, block_size + 1, 2 * block_size + 1, 37]
-    return [torch.randint(3, NUM_WORDS + 3, (n,), generator=g).tolist() for n in lengths if n > 0]
-
-
-def hf_greedy(model, prompt, max_new_tokens):
-    ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt) :].tolist()
-
-
-NO_STOP = dict(stop_token_ids=())
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -82,34 +52,6 @@ def test_triton_backend_greedy_matches_hf_generate(family):
         want = hf_greedy(model, prompt, 10)
         assert all(c.token_ids == want for c in completions), (len(prompt), want)
     assert engine.stats.leaked_blocks == 0
-
-
-def full_forward_logits(model, prompt, completion):
-    """[len(completion), V] fp32 logits that predicted each completion token, from one plain forward pass."""
-    ids = torch.tensor([prompt + completion], device=model.device)
-    with torch.no_grad():
-        logits = model(ids).logits[0].float()
-    return logits[len(prompt) - 1 : -1]
-
-
-def expected_logprobs(logits, tokens, temperature, top_k, top_p):
-    """Log-softmax of the processed logits at `tokens`, written out independently of the sampler."""
-    z = logits / temperature
-    keep = torch.ones_like(z, dtype=torch.bool)
-    if top_k:
-        keep &= z >= z.topk(top_k, dim=-1).values[:, -1:]
-    if top_p < 1:
-        for row in range(z.shape[0]):
-            order = z[row].masked_fill(~keep[row], float("-inf")).argsort(descending=True)
-            probs = z[row].masked_fill(~keep[row], float("-inf")).softmax(0)[order]
-            mass, kept = 0.0, torch.zeros_like(keep[row])
-            for token, p in zip(order.tolist(), probs.tolist(), strict=True):
-                if mass >= top_p:
-                    break
-                kept[token], mass = True, mass + p
-            keep[row] &= kept
-    logp = z.masked_fill(~keep, float("-inf")).log_softmax(-1)
-    return logp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.8, 7, 1.0), (1.3, 0, 0.8),
@@ -378,6 +320,7 @@ def test_seeded_sampling_does_not_depend_on_the_schedule(model):
     assert [[c.token_ids for c in g] for g in unplaced] != [[c.token_ids for c in g] for g in want[3:5]]
 
 
+@pytest.mark.slow
 def test_random_schedules_sample_the_same():
     """Random prompts, group sizes, stop tokens, page sizes, pools, row limits and token budgets: the engine under
     any of them (preempting, chunking, admitting late) samples exactly what the default engine does, and frees every

@@ -3,8 +3,8 @@
 import pytest
 import torch
 from helpers import assert_close, assert_no_worse
-from test_paged_attention import batches, run_case
-from test_sampling import NO_STOP, expected_logprobs, full_forward_logits, hf_greedy, prompts_for, tiny
+from paged_attention_helpers import batches, run_case
+from sampling_helpers import NO_STOP, expected_logprobs, full_forward_logits, hf_greedy, prompts_for, tiny
 
 from fastgrpo.sampling import Engine, SamplingParams
 

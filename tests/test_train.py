@@ -1,7 +1,7 @@
 """`fastgrpo train`: config, data, rewards, advantages, the loop, checkpoints and resume, LoRA, the CLI.
 
 A tiny random Qwen2 (hidden 64, 2 layers) with the arithmetic task's character tokenizer and a JSONL dataset are
-built in a temporary folder; runs are a few steps of 16 completions, fp32 on the CPU.
+built in a temporary folder (conftest's `assets` fixture); runs are a few steps of 16 completions, fp32 on the CPU.
 """
 
 import json
@@ -13,63 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from train_helpers import assert_same_metrics, killed_then_resumed, make_config
+from transformers import AutoModelForCausalLM
 
 from fastgrpo.cli import main
 from fastgrpo.train import TrainConfig, Trainer, arithmetic, checkpoint
 from fastgrpo.train.logs import read_metrics
-from fastgrpo.train.model import completion_hidden
+from fastgrpo.train.policy_loss import completion_hidden
 from fastgrpo.train.rewards import RewardError, Rewards, accuracy
 from fastgrpo.train.rollout import group_advantages
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
-# Metrics that measure the machine, not the run: excluded when two runs are compared.
-TIMING = ("time/", "tokens_per_second", "peak_memory")
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("assets")
-    tokenizer = arithmetic.build_tokenizer()
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    ))  # fmt: skip
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    (root / "data").mkdir()
-    for split, num in (("train", 300), ("test", 24)):
-        rows = arithmetic.problems(split, num, seed=1)
-        (root / "data" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"model": str(root / "model"), "data": str(root / "data")}
-
-
-def make_config(assets, tmp_path, **overrides) -> TrainConfig:
-    values = dict(
-        model_name_or_path=assets["model"], dataset_name=assets["data"], output_dir=str(tmp_path / "run"),
-        num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_completion_length=5,
-        learning_rate=3e-3, max_steps=4, save_steps=2, eval_num_samples=8, report_to=["none"], disable_tqdm=True,
-        seed=7, reward_funcs=["accuracy", "length"],
-    )  # fmt: skip
-    # The random model never answers right: the length penalty (-1 for 5 tokens, else 0) varies across completions,
-    # so advantages, and the updates that tests compare, are not zero.
-    return TrainConfig(**{**values, **overrides})
-
-
-def comparable(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
-
-
-def assert_same_metrics(a: list[dict], b: list[dict], tol: float = 1e-6) -> None:
-    a, b = comparable(a), comparable(b)
-    assert [r["step"] for r in a] == [r["step"] for r in b]
-    for ra, rb in zip(a, b, strict=True):
-        assert ra.keys() == rb.keys(), (ra.keys() ^ rb.keys())
-        for key in ra:
-            x, y = ra[key], rb[key]
-            assert (x is None and y is None) or math.isclose(x, y, rel_tol=tol, abs_tol=tol), (ra["step"], key, x, y)
 
 
 # -- config --------------------------------------------------------------------------------------------------------
@@ -228,27 +182,7 @@ def test_run_writes_config_metrics_checkpoints_and_plot(assets, tmp_path, capsys
     assert "held-out accuracy" in capsys.readouterr().out
 
 
-def killed_then_resumed(assets, tmp_path, monkeypatch, **settings) -> Trainer:
-    """The run of `settings` (save_steps 2) unbroken in a/, and in b/ killed in step 3 (its step-2 checkpoint
-    written) then resumed; returns the resumed Trainer, done."""
-    Trainer(make_config(assets, tmp_path / "a", **settings)).train()
-    original_step = Trainer.train_step
-
-    def killed_at_step_3(self):
-        if self.step == 3:
-            raise KeyboardInterrupt
-        return original_step(self)
-
-    monkeypatch.setattr(Trainer, "train_step", killed_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        Trainer(make_config(assets, tmp_path / "b", **settings)).train()
-    monkeypatch.setattr(Trainer, "train_step", original_step)
-    assert [p.name for p in checkpoint.checkpoints(tmp_path / "b" / "run")] == ["checkpoint-2"]
-    resumed = Trainer(make_config(assets, tmp_path / "b", resume=True, **settings))
-    resumed.train()
-    return resumed
-
-
+@pytest.mark.slow
 def test_resume_equals_uninterrupted(assets, tmp_path, monkeypatch):
     """A run killed after its step-2 checkpoint and resumed gives the metrics and weights of an unbroken run."""
     killed_then_resumed(assets, tmp_path, monkeypatch, max_steps=5, save_steps=2, num_iterations=2, beta=0.05)
@@ -261,6 +195,7 @@ def test_resume_equals_uninterrupted(assets, tmp_path, monkeypatch):
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_killed_checkpoint_write_keeps_the_previous_one(assets, tmp_path, monkeypatch):
     trainer = Trainer(make_config(assets, tmp_path, max_steps=4))
     real_save = torch.save
@@ -287,6 +222,7 @@ def test_killed_checkpoint_write_keeps_the_previous_one(assets, tmp_path, monkey
     assert not list(run.glob(".checkpoint-*"))
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_does_not_change_the_update(assets, tmp_path):
     """grpo and dapo normalise over the whole optimizer step: 2 micro-batches of 8 give the gradient of 1 of 16."""
     for loss_type in ("grpo", "dapo"):
@@ -321,6 +257,7 @@ def test_beta_zero_loads_no_reference_model(assets, tmp_path, monkeypatch):
     assert len(calls) == 3
 
 
+@pytest.mark.slow
 def test_old_logprobs_only_when_updates_go_off_policy(assets, tmp_path, monkeypatch):
     for iterations, expected in ((1, 0), (2, 1)):
         trainer = Trainer(make_config(assets, tmp_path / str(iterations), num_iterations=iterations, max_steps=1,
@@ -380,6 +317,7 @@ print(hasattr(trainer.model.config, "rope"), trainer.model.lm_head.__class__.__n
 """
 
 
+@pytest.mark.slow
 def test_liger_swaps_layers_through_its_public_loader(tmp_path):
     """Liger patches transformers' classes process-wide, hence a child process. Its kernels need CUDA: this checks
     which modules are swapped (policy and reference), not their numerics."""
@@ -410,6 +348,7 @@ def test_cli_runs_and_resumes(assets, tmp_path, capsys):
 
 
 @pytest.mark.skipif(not GSM8K.is_dir(), reason="GSM8K is read from ../shared/data/gsm8k, absent here")
+@pytest.mark.slow
 def test_gsm8k_recipe_runs_on_the_local_copy(assets, tmp_path):
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "gsm8k.yaml"
     config = TrainConfig.from_yaml(
@@ -441,6 +380,7 @@ def test_chat_template_and_system_prompt(assets, tmp_path):
     assert plain.train_prompts.token_ids[0] == plain.tokenizer(f"1-1\n\n{text}").input_ids
 
 
+@pytest.mark.slow
 def test_reward_rises_over_a_short_run(assets, tmp_path):
     """A user reward by file path: the share of '7's in the completion. The random model starts near chance; with a
     fixed seed the reward climbed 0.16, 0.13, 0.32 -> 0.81, 0.88, 0.92 over 12 steps. The bar (+0.2 between the
@@ -456,6 +396,7 @@ def test_reward_rises_over_a_short_run(assets, tmp_path):
     assert last > first + 0.2, rewards
 
 
+@pytest.mark.slow
 def test_cli_exits_quietly(tmp_path):
     """A finished run prints its summary and nothing after it: the collector's frozen objects are handed back (frozen
     ones are never freed at exit, and triton's nanobind bindings then print a screen of 'leaked' lines)."""
@@ -467,6 +408,7 @@ def test_cli_exits_quietly(tmp_path):
     assert "; 1 step in " in done.stdout + done.stderr
 
 
+@pytest.mark.slow
 def test_builtin_default_learns(tmp_path):
     """The built-in recipe, cut to 100 steps: held-out accuracy (all 2,005 problems, greedy) must rise by 10 points.
     Observed 28.1% -> 54.0% (the full 300-step default: 66.7%); the bar leaves room for other CPUs'

@@ -5,17 +5,16 @@ logprobs (TRL's vllm_importance_sampling_*).
 Gradients of one optimizer step (2 micro-batches) are compared with a float64 ground truth: a float64 copy of the
 model scored through its own forward (full logits, its logit transform included), fastgrpo.reference's policy term,
 and TRL's scaling across micro-batches and entropy bonus written out below. The tiny model and dataset are
-test_train.py's.
+conftest's `assets`.
 """
 
 import dataclasses
 import math
 
 import pytest
-import test_train
 import torch
 import torch.nn.functional as F
-from test_train import make_config
+from train_helpers import make_config
 from transformers import (
     AutoModelForCausalLM,
     CohereConfig,
@@ -37,9 +36,9 @@ from fastgrpo.sampling import Engine, SamplingParams
 from fastgrpo.train import Trainer, arithmetic
 from fastgrpo.train import trainer as trainer_module
 from fastgrpo.train.config import IMPORTANCE_SAMPLING_MODES
-from fastgrpo.train.model import PLAIN_HEAD, check_head, completion_hidden, lm_head
+from fastgrpo.train.loading import PLAIN_HEAD, check_head
+from fastgrpo.train.policy_loss import completion_hidden, lm_head
 
-assets = test_train.assets  # the fixture: a tiny random Qwen2 and the arithmetic task's JSONL files
 ONE_STEP = dict(max_steps=1, save_steps=0, eval_num_samples=1, max_grad_norm=0.0)  # the raw gradient of one step
 # fp32 training against the float64 truth: the same sums in another order; relative to each tensor's largest entry.
 GRAD_TOLERANCE = 1e-5
@@ -122,7 +121,7 @@ def reference_gradients(config, run: dict, importance_weights=None) -> list[torc
     """The float64 gradient of the run's optimizer step, TRL 1.16's way. importance_weights(micro_batch) -> its
     weights, or None."""
     model = AutoModelForCausalLM.from_pretrained(config.model_name_or_path, dtype=torch.float64)
-    options = dataclasses.replace(config.loss_config(), entropy_coef=0.0)  # the policy term; the bonus is below
+    options = dataclasses.replace(config.loss_options(), entropy_coef=0.0)  # the policy term; the bonus is below
     accumulation = config.gradient_accumulation_steps
     # TRL's dapo / cispo normaliser: num_items_in_batch (the round's loss tokens) * accumulation / steps_per_generation
     tokens = sum(map(sum, run["rollout"].loss_mask))
@@ -240,7 +239,7 @@ def test_softcapped_model_trains_with_its_cap(tmp_path, assets, monkeypatch):
     config = make_config({**assets, "model": str(tmp_path / "gemma2")}, tmp_path, importance_sampling_correction=True,
                          entropy_coef=0.5, **ONE_STEP)
     run = one_step(config, monkeypatch)
-    assert run["trainer"].loss_config.logit_softcap == 1.0
+    assert run["trainer"].loss_options.logit_softcap == 1.0
     assert run["metrics"]["sampling/sampling_logp_difference/max"] < 1e-5
     assert_close_gradients(run["gradient"], reference_gradients(config, run, lambda mb: mb.importance_weights.double()))
 
@@ -340,10 +339,11 @@ def test_bad_loss_options_are_named(assets, tmp_path, bad, message):
         make_config(assets, tmp_path, **bad)
 
 
-def test_options_reach_the_loss_config(assets, tmp_path):
+def test_options_reach_the_loss_options(assets, tmp_path):
     config = make_config(assets, tmp_path, entropy_coef=0.1, gradient_accumulation_steps=2)
-    assert config.loss_config().entropy_coef == 0.1
-    assert trainer_module.loss_config(dataclasses.replace(config, loss_type="grpo"), PLAIN_HEAD).entropy_coef == 0.1
+    assert config.loss_options().entropy_coef == 0.1
+    grpo = dataclasses.replace(config, loss_type="grpo")
+    assert trainer_module.model_loss_options(grpo, PLAIN_HEAD).entropy_coef == 0.1
     # dapo's loss is not divided by the accumulation steps: its bonus coefficient is
-    options = trainer_module.loss_config(config, {"logit_scale": 0.5, "logit_softcap": 30.0})
+    options = trainer_module.model_loss_options(config, {"logit_scale": 0.5, "logit_softcap": 30.0})
     assert (options.entropy_coef, options.logit_scale, options.logit_softcap) == (0.05, 0.5, 30.0)

@@ -30,8 +30,8 @@ from trl_oracle import trl_rewards_and_advantages  # noqa: E402
 
 from fastgrpo.train import TrainConfig, Trainer  # noqa: E402
 from fastgrpo.train.data import load_rows, prepare  # noqa: E402
+from fastgrpo.train.loading import load_tokenizer  # noqa: E402
 from fastgrpo.train.logs import COMPLETIONS_FILE, read_metrics  # noqa: E402
-from fastgrpo.train.model import load_tokenizer  # noqa: E402
 from fastgrpo.train.rewards import RewardError, Rewards  # noqa: E402
 from fastgrpo.train.rollout import group_advantages  # noqa: E402
 
@@ -275,6 +275,7 @@ def test_answer_column_only_for_the_accuracy_reward(chat, tmp_path):
     assert per_func[:, 0].tolist() == [1, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0]
 
 
+@pytest.mark.slow
 def test_fastgrpo_train_on_trl_conversational_data(chat, tmp_path):
     """`fastgrpo train` on a conversational dataset with TRL's reward functions and one that returns None for half
     the samples: it trains, evaluates pass@1 on the conversational held-out split, logs TRL's metric names, what the

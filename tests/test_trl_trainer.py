@@ -93,9 +93,9 @@ def _axes(loss_type, row):
 CASES = [
     pytest.param(loss_type, options, id=f"{loss_type}-beta{options['beta']}-{options['importance_sampling_level']}"
                  f"-mu{options['num_iterations']}-gas{options['gradient_accumulation_steps']}"
-                 f"-spg{options['steps_per_generation']}")
+                 f"-spg{options['steps_per_generation']}", marks=pytest.mark.slow if second else ())
     for i, loss_type in enumerate(LOSS_TYPES)
-    for row in (_ROWS[i % 4], tuple(1 - v for v in _ROWS[i % 4]))
+    for second, row in enumerate((_ROWS[i % 4], tuple(1 - v for v in _ROWS[i % 4])))  # the second row: slow
     for options in [_axes(loss_type, row)]
 ]
 
@@ -328,6 +328,7 @@ def _ddp_worker(path, out_dir):
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
 
 
+@pytest.mark.slow
 def test_ddp_matches_trl(workdir, tmp_path):
     import json
 
@@ -437,6 +438,7 @@ def _fsdp_worker(path, tied_path, out_dir):
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
 
 
+@pytest.mark.slow
 def test_fsdp2_matches_trl(workdir, tmp_path):
     """FSDP2 on two processes (FSDP_CASES): an untied and a tied model and a LoRA adapter, all with a KL to a reference,
     train as in TRL; FastGRPOTrainer reads the lm_head weight right after the model's forward, whole as FSDP2 leaves

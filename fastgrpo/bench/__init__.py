@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-# peak_memory and reset_peak_memory are re-exported: callers imported them from here before fastgrpo.memory existed
-from fastgrpo.memory import PeakMemory, peak_memory, reset_peak_memory  # noqa: F401
+from fastgrpo.memory import PeakMemory
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Config-only model folders (config.json, no weights; package data) of real models' shapes: MODELS / "qwen2.5-7b"
+MODELS = Path(__file__).with_name("models")
 SHAPES = {  # Qwen2 model shapes (random weights) of the sampling and TRL-step suites
     "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2),

@@ -3,8 +3,7 @@
 Each method runs in a fresh process; the peak resident set is reset after the inputs are built (Linux
 `/proc/self/clear_refs`), so the reported figure is what the loss itself adds.
 
-    python -m fastgrpo.bench.cpu_memory --tokens 8192 --hidden 256 --vocab 65536
-    python benchmarks/cpu_memory.py                                              # the same
+    fastgrpo bench cpu-memory --tokens 8192 --hidden 256 --vocab 65536
 """
 
 import argparse

@@ -25,9 +25,9 @@ workspaces (cuBLAS, flash-attention splits), or host memory. What the fake trace
   takes its CPU branch. SDPA on the CPU dispatches to `_scaled_dot_product_flash_attention_for_cpu`, whose outputs
   are [b, heads, L, d] and a [b, heads, L] logsumexp, as a GPU's flash / memory-efficient kernels: no [L, L]
   probabilities. fastgrpo's fused loss takes its CPU branch (chunks of `chunk_tokens(V, cpu)` rows, two reused fp32
-  [chunk, V] buffers, an fp32 copy of the lm_head weight, dZ in fp32); `head="cuda"` instead patches fastgrpo.chunked
-  for the duration of the loss to its CUDA branch (CUDA chunk size, no weight copy, per-chunk fp32 Z and a dZ in the
-  input dtype).
+  [chunk, V] buffers, an fp32 copy of the lm_head weight, dZ in fp32); `head="cuda"` makes it take its CUDA branch
+  instead (fastgrpo.chunked.emulate_device: CUDA chunk size, no weight copy, per-chunk fp32 Z and a dZ in the input
+  dtype).
 * AdamW runs with foreach=True (PyTorch's default for CUDA parameters; its per-parameter temporaries exist together).
   bitsandbytes' AdamW8bit and Linear4bit run as they are (their ops have fake kernels), with two workarounds: the
   quantization maps (1 KiB real tensors) are built outside fake mode, and a 4-bit layer's weight is a fake uint8
@@ -37,8 +37,11 @@ workspaces (cuBLAS, flash-attention splits), or host memory. What the fake trace
   `bitsandbytes::gemm_4bit` shows only its output: for more than 1536 rows bitsandbytes' CUDA kernel dequantizes the
   weight (and the nested absmax) into temporaries before an F.linear, which `_AssumeValid` allocates the same way.
 * With offload_activations the checkpointed layer inputs that ActivationOffload copies to the host are not counted
-  (the copies made inside its pack hook are host memory on a GPU; on a CPU they are plain clones); the copies back
-  to the device in the backward are.
+  (its `host_copies` are host memory on a GPU; on a CPU they are plain clones); the copies back to the device in the
+  backward are.
+
+The tracer reaches fastgrpo through public seams only: the trainer's `phase_hooks`, PolicyLoss's `hidden` and `loss`,
+ActivationOffload's `host_copies`, fastgrpo.chunked.emulate_device and fastgrpo.sampling.attention.register_backend.
 """
 
 import contextlib
@@ -53,8 +56,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from fastgrpo.sizes import GiB
+
 aten = torch.ops.aten
-GiB = 2**30
 
 
 class LiveBytes(TorchDispatchMode):
@@ -331,16 +335,10 @@ def _build(config, dtype, *, use_peft, lora_r, lora_alpha, lora_dropout, load_in
             if offload_activations:
                 from fastgrpo.train.offload import ActivationOffload
 
-                offload = ActivationOffload(torch.device("cpu"))
+                # its host copies are not device memory
+                host_copies = contextlib.nullcontext if live is None else live.uncounted
+                offload = ActivationOffload(torch.device("cpu"), host_copies=host_copies)
                 offload.install(model)
-                if live is not None:  # its host copies are not device memory
-                    pack = offload._pack
-
-                    def uncounted_pack(tensor):
-                        with live.uncounted():
-                            return pack(tensor)
-
-                    offload._pack = uncounted_pack
         elif offload_activations:
             raise ValueError("offload_activations needs gradient_checkpointing")
         model.config.use_cache = False
@@ -350,64 +348,6 @@ def _build(config, dtype, *, use_peft, lora_r, lora_alpha, lora_dropout, load_in
             model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                                                      target_modules="all-linear", task_type="CAUSAL_LM"))
     return _Built(model, fake, offload)
-
-
-@contextlib.contextmanager
-def _phase_around(owner, name: str, live: LiveBytes, phase: str):
-    """owner.name (a function or method) runs inside live.phase(phase) for the block."""
-    original = getattr(owner, name)
-    own = name in vars(owner) if not isinstance(owner, type) else True
-
-    def wrapped(*args, **kwargs):
-        with live.phase(phase):
-            return original(*args, **kwargs)
-
-    setattr(owner, name, wrapped)
-    try:
-        yield
-    finally:
-        if own:
-            setattr(owner, name, original)
-        else:
-            delattr(owner, name)
-
-
-@contextlib.contextmanager
-def _cuda_head():
-    """fastgrpo.chunked's CUDA branch for the fused loss on fake CPU tensors: CUDA chunk size, the weight as is, no
-    preallocated chunk buffers, logits formed in fp32 from the input dtype, dZ in the input dtype."""
-    from fastgrpo import chunked, grpo_head
-
-    cuda_chunk = chunked.chunk_tokens
-
-    def chunk_tokens(V, device):
-        return cuda_chunk(V, torch.device("cuda"))
-
-    def mm_fp32(a, b_t):
-        if a.dtype in (torch.float32, torch.float64):
-            return a @ b_t.T
-        return torch.mm(a, b_t.T, out_dtype=torch.float32)
-
-    init = chunked.HeadGrads.__init__
-
-    def head_grads_init(self, x, *args, **kwargs):
-        init(self, x, *args, **kwargs)
-        self.gemm_dtype = x.dtype
-
-    def buffers_init(self, x, V, chunk):
-        self.z = self.scratch = None
-
-    patches = [(chunked, "chunk_tokens", chunk_tokens), (grpo_head, "chunk_tokens", chunk_tokens),
-               (chunked, "gemm_weight", lambda x, weight: weight), (chunked, "mm_fp32", mm_fp32),
-               (chunked.HeadGrads, "__init__", head_grads_init), (chunked.ChunkBuffers, "__init__", buffers_init)]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    for owner, name, value in patches:
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
 
 
 def _lora_defaults() -> dict:
@@ -449,7 +389,6 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
         chunk_tokens      rows per chunk of the fused loss (fastgrpo.chunked.chunk_tokens of the device `head`
                           emulates: "cpu", or "cuda" for the CUDA branch, see the module docstring)
     """
-    import fastgrpo.grpo_head
     from fastgrpo import chunked
     from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES, LossConfig
     from fastgrpo.train.loading import PLAIN_HEAD
@@ -495,20 +434,20 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
         live.base = live.current
         model.train()
         V = model.get_output_embeddings().weight.shape[0]
-        with live, _AssumeValid(), live.phase("train"), _phase_around(fastgrpo.grpo_head, "grpo_head_loss", live,
-                                                                      "loss"):
-            with contextlib.ExitStack() as stack:  # the trainer's micro_batch: made on the device
-                mb = MicroBatch(
+        with live, _AssumeValid(), live.phase("train"):
+            with chunked.emulate_device(head):
+                mb = MicroBatch(  # the trainer's micro_batch: made on the device
                     index=list(range(b)), completion_ids=torch.zeros(b, T, dtype=torch.long),
                     mask=torch.ones(b, T), advantages=torch.zeros(b), sequences=[[0] * (P + T)] * b,
                     prompt_lengths=[P] * b, old_logps=None, ref_logps=torch.zeros(b, T) if beta else None,
                     importance_weights=None,
                 )  # fmt: skip
-                if head == "cuda":
-                    stack.enter_context(_cuda_head())
                 before = live.current
-                with live.phase("forward"):
-                    loss, metrics = policy(mb, loss_options, num_items)
+                with live.phase("forward"):  # policy(mb, ...), its fused loss apart
+                    hidden = policy.hidden(mb)
+                    with live.phase("loss"):
+                        loss, metrics = policy.loss(hidden, mb, loss_options, num_items)
+                    del hidden
                 result["saved"] = live.current - before
                 with live.phase("backward"):
                     (loss * 1.0).backward()
@@ -524,18 +463,19 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
     return result
 
 
-@contextlib.contextmanager
-def _attention_output_only():
-    """The CPU's torch attention backend replaced by what the CUDA triton backend allocates: its [T, heads, d] output
-    (the CPU backend gathers each sequence's pages into a padded copy per layer, which a GPU never makes)."""
-    from fastgrpo.sampling import attention as paged
+def _output_only_attention(triton: bool) -> str:
+    """The name of an engine attention backend (registered here) that allocates what the CUDA triton backend does, its
+    [T, heads, d] output, and computes nothing (the CPU's torch backend gathers each sequence's pages into a padded
+    copy per layer, which a GPU never makes). `triton`: the engine runs its Triton decode layers and sampler with it."""
+    from fastgrpo.sampling.attention import register_backend
 
-    original = paged.BACKENDS["torch"]
-    paged.BACKENDS["torch"] = lambda query, k_cache, v_cache, batch, scale: torch.empty_like(query)
-    try:
-        yield
-    finally:
-        paged.BACKENDS["torch"] = original
+    name = "trace-output-only-triton" if triton else "trace-output-only"
+    register_backend(name, _attention_output, triton=triton)
+    return name
+
+
+def _attention_output(query, k_cache, v_cache, batch, scale):
+    return torch.empty_like(query)  # [T, heads, d]
 
 
 def _decode_rows(num_sequences: int, pages: int, block_size: int, context_length: int, device):
@@ -590,12 +530,13 @@ def trace_decode_step(model_config, *, dtype: torch.dtype = torch.bfloat16, num_
     S, pages = num_sequences, blocks_for(context_length, block_size)
     result = {}
     with fake:
-        engine = Engine(model, block_size=block_size, attention="torch")
+        engine = Engine(model, block_size=block_size,
+                        attention=_output_only_attention(triton=False) if attention == "triton" else "torch")
         live = LiveBytes(_weights(model))
         result["weights"] = live.base
         itemsize = torch.empty((), dtype=engine.dtype).element_size()
         page_bytes = 2 * engine.num_layers * block_size * engine.num_kv_heads * engine.head_dim * itemsize
-        with _attention_output_only() if attention == "triton" else contextlib.nullcontext(), live, _AssumeValid():
+        with live, _AssumeValid():
             with live.phase("kv_cache"):
                 kv_cache = torch.zeros(engine.num_layers, 2, S * pages, block_size, engine.num_kv_heads,
                                        engine.head_dim, dtype=engine.dtype)
@@ -701,18 +642,15 @@ def count_decode_bytes(model_config, *, fused: bool, dtype: torch.dtype = torch.
         built = _build(layer_config, dtype, use_peft=False, lora_r=0, lora_alpha=0, lora_dropout=0.0,
                        load_in_4bit=False, gradient_checkpointing=False, offload_activations=False,
                        attn_implementation=None, live=None)
-        with _attention_output_only(), built.fake, _AssumeValid():
-            engine = Engine(built.model, block_size=block_size, attention="torch", fused_layers=fused)
-            if fused:
-                from fastgrpo.kernels import decode_ops  # noqa: F401
-
-                engine.decoder.ops, engine.fused_kernels = "triton", True
+        with built.fake, _AssumeValid():
+            engine = Engine(built.model, block_size=block_size, attention=_output_only_attention(triton=fused),
+                            fused_layers=fused)
             kv_cache = torch.zeros(layers, 2, S * pages, block_size, engine.num_kv_heads, engine.head_dim,
                                    dtype=engine.dtype)
             rows = _decode_rows(S, pages, block_size, context_length, engine.device).inputs()
             u = None if params.greedy else torch.empty(S, dtype=torch.float64)
             with engine._sampling_mode():
-                paged_batch = build_paged_batch(kv_cache, [], [], [], [], "torch", 1, rows=rows,
+                paged_batch = build_paged_batch(kv_cache, [], [], [], [], engine.backend, 1, rows=rows,
                                                 rows_max_context=context_length)
                 with BytesMoved() as moved:  # the forward and the sampler, not the batch's set-up
                     logits = engine._forward(rows["input_ids"], rows["positions"], paged_batch)
@@ -732,9 +670,8 @@ def count_decode_bytes(model_config, *, fused: bool, dtype: torch.dtype = torch.
 
 def measure_trainer_step(trainer) -> dict:
     """One `trainer.train_step()` of a real fastgrpo Trainer (on a CPU: every tensor is "device" memory) under
-    LiveBytes, with its phases: "sampling" (trainer._generate: the engine's generate), "logprobs"
-    (trainer._logprobs: reference and old logprobs; None when the step computes none) and "train"
-    (trainer._update). Returns bytes:
+    LiveBytes, with the phases it reports to its phase_hooks: "sampling" (the engine's generate), "logprobs"
+    (reference and old logprobs; None when the step computes none) and "train" (the update). Returns bytes:
 
         base        the policy's (and reference's) parameters and buffers and the optimizer's states at the start
         sampling, logprobs, train   the phases' peaks (everything live counted, base included)
@@ -745,9 +682,13 @@ def measure_trainer_step(trainer) -> dict:
     models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
     states = [t for state in trainer.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
     live = LiveBytes([t for m in models for t in _weights(m)] + states)
-    with (_phase_around(trainer, "_generate", live, "sampling"), _phase_around(trainer, "_logprobs", live, "logprobs"),
-          _phase_around(trainer, "_update", live, "train"), live, live.phase("step")):
-        trainer.train_step()
+    hook = live.phase
+    trainer.phase_hooks.append(hook)
+    try:
+        with live, live.phase("step"):
+            trainer.train_step()
+    finally:
+        trainer.phase_hooks.remove(hook)
     engine = trainer.engine
     itemsize = torch.empty((), dtype=engine.dtype).element_size()
     pool = (engine.num_layers * 2 * (engine.stats.num_blocks + 1) * engine.config.block_size * engine.num_kv_heads

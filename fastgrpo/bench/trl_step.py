@@ -13,7 +13,7 @@ allocator peak; CPU: resident-set peak). Each method runs in its own process, so
 
     fastgrpo bench trl                               # CPU: tiny model, 8 x 256; GPU: Qwen2.5-1.5B shape, 8 x 1024
     python -m fastgrpo bench trl --quick
-    python benchmarks/trl_step.py --shape qwen2.5-1.5b --completions 8 --completion-len 1024
+    fastgrpo bench trl --shape qwen2.5-1.5b --completions 8 --completion-len 1024
 """
 
 import argparse

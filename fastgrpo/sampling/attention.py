@@ -1,4 +1,4 @@
-"""The attention function the engine registers with transformers, and its three backends.
+"""The attention function the engine registers with transformers, its three backends, and `register_backend`.
 
 During `Engine.generate` the model's attention implementation is switched to ATTENTION_NAME through transformers'
 public AttentionInterface. Every attention layer then sees the packed new tokens of all scheduled sequences
@@ -221,6 +221,23 @@ def _flash_backend(query, k_cache, v_cache, batch: PagedBatch, scale: float) -> 
 
 
 BACKENDS: dict[str, Callable] = {"torch": _torch_backend, "triton": _triton_backend, "flash": _flash_backend}
+BUILT_IN = tuple(BACKENDS)
+# The backends with which the engine runs its Triton kernels (decode layers, sampler): where Triton runs.
+TRITON_BACKENDS = {"triton", "flash"}
+
+
+def register_backend(name: str, forward: Callable, *, triton: bool = False) -> None:
+    """Adds (or replaces) the attention backend `EngineConfig(attention=name)` selects; the built-in ones stay.
+    forward(query [T, Hq, D], k_cache, v_cache [num_blocks, block_size, Hkv, D], batch: PagedBatch, scale) -> [T, Hq, D]
+    attends each new token over its sequence's cached context (the step's keys/values are in the cache). `triton`:
+    the engine runs its Triton decode layers and sampler with it, as with "triton" and "flash"."""
+    if name in ("auto", *BUILT_IN):
+        raise ValueError(f"attention backend {name!r} is built in; register another name")
+    BACKENDS[name] = forward
+    if triton:
+        TRITON_BACKENDS.add(name)
+    else:
+        TRITON_BACKENDS.discard(name)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

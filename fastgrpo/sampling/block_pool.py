@@ -7,6 +7,12 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def group_pages(prompt_length: int, n: int, max_new_tokens: int, block_size: int) -> int:
+    """The most pages a prompt group holds: its prompt's full pages, shared, and for each of its n completions the
+    prompt's partial page and max_new_tokens (the least pool that can sample it)."""
+    return prompt_length // block_size + n * blocks_for(prompt_length % block_size + max_new_tokens, block_size)
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks

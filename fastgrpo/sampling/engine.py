@@ -21,9 +21,9 @@ import torch
 
 from fastgrpo.kernels.sampling import fused_sample
 from fastgrpo.models import find_hf_model, stop_token_ids
-from fastgrpo.sampling.attention import ATTENTION_NAME, build_paged_batch, paged_batch, triton_tiles
+from fastgrpo.sampling.attention import ATTENTION_NAME, TRITON_BACKENDS, build_paged_batch, paged_batch, triton_tiles
 from fastgrpo.sampling.batch import DecodeBatch, Outputs
-from fastgrpo.sampling.block_pool import BlockPool, blocks_for
+from fastgrpo.sampling.block_pool import BlockPool, blocks_for, group_pages
 from fastgrpo.sampling.cuda_graphs import DecodeGraphs
 from fastgrpo.sampling.decode_layers import FusedDecoder, unsupported
 from fastgrpo.sampling.params import EngineConfig, SamplingParams, check_int
@@ -98,17 +98,22 @@ def host_batch(step: Step, block_size: int, width: int) -> HostBatch:
     return HostBatch(input_ids, positions, slots, list(step.chunks), context_lens, tables, last_tokens, counts)
 
 
-def _available_memory(device: torch.device) -> int:
+def available_memory(device: torch.device) -> int | None:
+    """Bytes a new tensor on `device` can take: free device memory on CUDA, MemAvailable in /proc/meminfo on a CPU
+    (None where there is no /proc/meminfo)."""
     if device.type == "cuda":
         # Free on the device, plus what torch's caching allocator holds unused (e.g. the last training step's
         # activations): the pool's allocation is served from that first.
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + cached
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass num_blocks")
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _flash_attn_installed() -> bool:
@@ -139,7 +144,7 @@ class Engine:
         self.dtype = self.hf_model.get_input_embeddings().weight.dtype
         self.backend = self._resolve_backend()
         # The fused kernels (decode layers, sampler) run where Triton does: the triton/flash backends.
-        self.fused_kernels = self.backend in ("triton", "flash")
+        self.fused_kernels = self.backend in TRITON_BACKENDS
         reason = unsupported(self.hf_model) if self.config.fused_layers else "fused_layers=False"
         self.decoder = None if reason else FusedDecoder(self.hf_model, "triton" if self.fused_kernels else "torch")
         self.layers = "fused" if self.decoder else f"transformers ({reason})"
@@ -252,16 +257,20 @@ class Engine:
     def _num_blocks(self, prompts: list[list[int]], n: int, params: SamplingParams) -> int:
         """Pages for this call: as configured, or a fraction of free memory capped at what the call can use."""
         block_size = self.config.block_size
-        # A group keeps its full prompt pages shared; each completion owns the partial page and its new tokens.
-        per_group = [len(p) // block_size + n * blocks_for(len(p) % block_size + params.max_new_tokens, block_size)
-                     for p in prompts]  # fmt: skip
+        per_group = [group_pages(len(p), n, params.max_new_tokens, block_size) for p in prompts]
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        bytes_per_block = 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+        available = available_memory(self.device)
         if self.config.num_blocks is not None:
             num_blocks = self.config.num_blocks
+            if available is not None and (num_blocks + 1) * bytes_per_block > available:  # before the page lists
+                raise ValueError(f"num_blocks={num_blocks} pages of {bytes_per_block} bytes take more than the "
+                                 f"{available / 2**30:.1f} GiB available on {self.device}; at most "
+                                 f"{available // bytes_per_block - 1}")
+        elif available is None:
+            raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass num_blocks")
         else:
-            itemsize = torch.empty((), dtype=self.dtype).element_size()
-            bytes_per_block = 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
-            budget = _available_memory(self.device) * self.config.memory_fraction
-            num_blocks = min(int(budget // bytes_per_block) - 1, sum(per_group))
+            num_blocks = min(int(available * self.config.memory_fraction // bytes_per_block) - 1, sum(per_group))
         if num_blocks < max(per_group):
             raise ValueError(
                 f"num_blocks={num_blocks} pages of {block_size} tokens cannot hold one prompt group "

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
+from fastgrpo.sampling.attention import BACKENDS
 
 
 def check_int(name: str, value, minimum: int) -> None:
@@ -61,7 +61,7 @@ class EngineConfig:
         than that still runs, alone).
     max_num_batched_tokens: tokens per forward at most (decode tokens first, then chunks of prompts).
     attention: "auto" (flash when installed and block_size allows, else triton on CUDA, torch on CPU),
-        "torch" (gather + SDPA reference), "triton", "flash".
+        "torch" (gather + SDPA reference), "triton", "flash", or one added with attention.register_backend.
     cuda_graphs: capture decode steps in CUDA graphs (CUDA with the triton or flash backend only).
     fused_layers: run Llama/Qwen2/Qwen3 models through the engine's own layers (decode_layers.py: q/k/v and
         gate/up fused in place into one GEMM each, fused norm/rotary/SiLU kernels with the triton or flash backend);
@@ -85,8 +85,8 @@ class EngineConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        if self.attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
+        if self.attention != "auto" and self.attention not in BACKENDS:
+            raise ValueError(f"attention must be one of {('auto', *BACKENDS)}, got {self.attention!r}")
         if self.attention == "flash" and self.block_size % 256:
             raise ValueError(f"attention='flash' needs block_size to be a multiple of 256, got {self.block_size}")
         for name in ("cuda_graphs", "fused_layers"):

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from fastgrpo.sizes import parse_size
+from fastgrpo.train import distributed
 from fastgrpo.train.config import BUILTIN, DEFAULT_RECIPE, TrainConfig, field_types, flag
 from fastgrpo.train.distributed import RankFailed
 
@@ -160,11 +161,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
 
     datasets.disable_progress_bars()  # the run has its own progress bar
     logging.disable_progress_bar()
-    trainer = None
+    trainer, finished = None, False
     with _sigterm_raises():
         try:
             trainer = _trainer(config, parser)
-            return trainer.train()
+            summary = trainer.train()
+            finished = True
+            return summary
         except KeyboardInterrupt as stop:
             status = 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)  # the shell's codes
             parser.exit(status, stopped_message(trainer, stop))
@@ -173,7 +176,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         except RewardError as error:  # a reward function that raised or returned what is not a reward
             parser.exit(1, f"fastgrpo train: error: {error}\n")
         finally:
-            _leave_process_group()
+            trainer = None  # its DDP / FSDP2 wrappers go before the process group (distributed.leave)
+            distributed.leave(finished)
 
 
 PLAN_DESCRIPTION = """\
@@ -209,7 +213,7 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         gpu = parse_size(config.gpu_memory) if config.gpu_memory is not None else None
         shapes = memory.model_shapes(model_config(config))
         plan = memory.plan_run(config, shapes, device, gpu)
-    except (ValueError, TypeError, OSError) as e:
+    except (ValueError, TypeError, OSError, ImportError) as e:
         parser.exit(2, f"fastgrpo plan: error: {flagged(e)}\n")
     model = "the built-in model" if config.model_name_or_path == BUILTIN else config.model_name_or_path
     print(f"fastgrpo plan: {model} on {device}, {config.num_generations} completions of "
@@ -223,13 +227,6 @@ def run_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if gpu is not None and not plan.fits(gpu):
         smaller = memory.what_would_fit(config, shapes, device, gpu)
         parser.exit(1, f"fastgrpo plan: does not fit; {smaller}; or --auto-fit\n")
-
-
-def _leave_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _trainer(config: TrainConfig, parser: argparse.ArgumentParser):

@@ -20,6 +20,7 @@ stops them (it ends all workers when one exits with an error) or the collective'
 """
 
 import datetime
+import gc
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -128,6 +129,27 @@ def device(world: World) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", world.local_rank if world.size > 1 else torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def leave(finished: bool) -> None:
+    """Ends this process's part in the process group (if it has one): the wrappers that hold it, a barrier, the group.
+
+    A gloo worker thread drops each finished collective's tensors, holding the group's work lock; a tensor Python
+    also held (broadcast_object_list's) needs the GIL to go. The group's destructor takes that lock, then joins the
+    workers, with the GIL held: run while a worker waits for the GIL, it never returns. That hung 2 of 5 DDP runs on
+    2 CPU processes: DDP's Reducer, freed as `fastgrpo train` returned, held the last reference to the group and freed
+    it milliseconds after the checkpoint's last broadcast (the gdb stacks: ~ProcessGroupGloo in ~Reducer; the worker
+    in ~AsyncBroadcastWork, in take_gil). So the wrappers (DDP's Reducer, FSDP2's states) go first, while the group
+    lives; after a finished run every rank then waits at a barrier, which releases the GIL until every rank is past
+    its last collective (the workers' drops take it then); only then is the group destroyed, by its last reference,
+    its workers done. After an error there is no barrier: another rank may never reach it. Call it once nothing
+    refers to the Trainer any more: the collection here frees its wrappers, reference cycles included."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()  # wrappers in reference cycles too
+    if finished:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 # -- sharding --

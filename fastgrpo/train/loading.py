@@ -1,6 +1,7 @@
-"""Loading the policy, its reference and tokenizer: from a hub id, a folder, or the built-in model; the checks that
-fastgrpo's fused head computes the model's own logits."""
+"""Loading the policy, its reference and tokenizer: from a hub id, a folder, a GGUF file or the built-in model; the
+checks that fastgrpo's fused head computes the model's own logits."""
 
+import importlib.util
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,14 +18,20 @@ from fastgrpo.train.quantization import bitsandbytes, four_bit, keep_trainable
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 PACKED_ATTENTION = ("flash_attention_2", "flash_attention_3")  # varlen kernels: packing costs no extra FLOPs
+GGUF_SUFFIX = ".gguf"
+GGUF_PACKAGES = ("gguf", "accelerate")  # transformers reads a GGUF with gguf, and refuses to without accelerate
 
 
 def model_path(config: TrainConfig) -> str:
-    """The model's folder or hub id; a local path that does not exist, or a folder without a config.json, is refused
-    here rather than sent to the hub as an id."""
+    """The model's folder, GGUF file or hub id; a local path that does not exist, or a folder without a config.json,
+    is refused here rather than sent to the hub as an id."""
     if config.model_name_or_path == BUILTIN:
         return str(DEFAULT_MODEL)
     name, path = config.model_name_or_path, Path(config.model_name_or_path).expanduser()
+    if path.suffix.lower() == GGUF_SUFFIX:
+        if not path.is_file():
+            raise FileNotFoundError(f"model_name_or_path: the GGUF file {name} does not exist")
+        return str(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model_name_or_path: the folder {name} is not a transformers model (it holds no "
@@ -35,11 +42,24 @@ def model_path(config: TrainConfig) -> str:
     return name
 
 
+def pretrained_source(path: str) -> tuple[str, dict]:
+    """What transformers' from_pretrained reads `path` (model_path's) from: (the folder or hub id, extra keywords).
+    A GGUF file is its folder with gguf_file=its name."""
+    if not path.lower().endswith(GGUF_SUFFIX):
+        return path, {}
+    missing = [name for name in GGUF_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"model_name_or_path: {path} is a GGUF file, which transformers reads with gguf and "
+                          f"accelerate (missing: {', '.join(missing)}): pip install 'fastgrpo[gguf]'")
+    return str(Path(path).parent), {"gguf_file": Path(path).name}
+
+
 def not_loadable(option: str, name: str, error: Exception, cache: str, offline: bool) -> FileNotFoundError:
     """One line saying what was looked for (`option`'s value) and where (its local folder, or the hub and its cache),
     with the loader's own reason."""
     hub = f"huggingface.co ({'offline mode: not asked' if offline else 'not reachable or no such repository'})"
-    where = f"the folder {name}" if Path(name).is_dir() else f"{hub} and the cache {cache}"
+    where = (f"the folder {name}" if Path(name).is_dir() else f"the file {name}" if Path(name).is_file()
+             else f"{hub} and the cache {cache}")
     reason = " ".join(str(error).split())[:300]
     return FileNotFoundError(f"{option}: cannot load {name!r} from {where}: {type(error).__name__}: {reason}")
 
@@ -57,8 +77,9 @@ def _loading(name: str):
 def model_config(config: TrainConfig):
     """The model's configuration (its config.json, without loading weights)."""
     path = model_path(config)
+    source, gguf = pretrained_source(path)
     with _loading(path):
-        return AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        return AutoConfig.from_pretrained(source, trust_remote_code=config.trust_remote_code, **gguf)
 
 
 def max_positions(config: TrainConfig) -> int | None:
@@ -82,11 +103,13 @@ def load_tokenizer(config: TrainConfig):
 def tokenizer_from(path: str, trust_remote_code: bool = False):
     """AutoTokenizer; except that a local folder whose tokenizer_config.json declares the generic fast class gets
     exactly its tokenizer.json (transformers 5's AutoTokenizer would rebuild it as the model type's tokenizer, e.g.
-    a Qwen2 byte-level BPE, which drops the characters of a small word-level vocabulary)."""
+    a Qwen2 byte-level BPE, which drops the characters of a small word-level vocabulary). A GGUF file's tokenizer is
+    the one it holds."""
+    source, gguf = pretrained_source(path)
     declared = Path(path) / "tokenizer_config.json"
     if declared.is_file() and json.loads(declared.read_text()).get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
         return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **gguf)
 
 
 # The probe's logits span [-R, R], R = max(PROBE_SPAN, 4 * softcap): there a softcap bends them by ~75%, a logit scale
@@ -171,15 +194,21 @@ def _liger_loader():
 
 def _from_pretrained(path: str, config: TrainConfig, dtype: torch.dtype, device: torch.device,
                      quantize: bool = False) -> PreTrainedModel:
-    kwargs = {"dtype": dtype, "trust_remote_code": config.trust_remote_code}
+    source, gguf = pretrained_source(path)
+    kwargs = {"dtype": dtype, "trust_remote_code": config.trust_remote_code, **gguf}
     if config.attn_implementation is not None:
         kwargs["attn_implementation"] = config.attn_implementation
+    if gguf:
+        if quantize:
+            raise ValueError(f"load_in_4bit: {path} is a GGUF file, which transformers loads dequantized and cannot "
+                             "quantize again; train it with LoRA in the training dtype (without --load-in-4bit)")
+        kwargs.update(_dense_gguf())
     if quantize:  # the weights are quantized as they are placed on the device
         bitsandbytes("load_in_4bit")
         kwargs.update(quantization_config=four_bit(dtype), device_map={"": device})
     loader = _liger_loader() if config.use_liger_kernel else AutoModelForCausalLM
     with _loading(path):
-        model = loader.from_pretrained(path, **kwargs, **(LIGER_KERNELS if config.use_liger_kernel else {}))
+        model = loader.from_pretrained(source, **kwargs, **(LIGER_KERNELS if config.use_liger_kernel else {}))
     if quantize:
         head = model.get_output_embeddings()
         if type(head) is not torch.nn.Linear or head.weight.dtype != dtype:
@@ -192,6 +221,18 @@ def _from_pretrained(path: str, config: TrainConfig, dtype: torch.dtype, device:
         raise ValueError(f"use_liger_kernel: liger-kernel has no kernels for {model.config.model_type!r} models")
     check_head(model)
     return model
+
+
+def _dense_gguf() -> dict:
+    """GgufConfig(dequantize=True) where transformers has it (5.24 does): without it, transformers keeps a GGUF's
+    weights in their quantized blocks where it has a matmul kernel for them (frozen), and even with every weight
+    unpacked marks the model quantized, which save_pretrained refuses. fastgrpo trains the weights and saves them as
+    an ordinary folder. Older versions, without GgufConfig, always unpack the weights."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
 
 
 def load_policy(config: TrainConfig, device: torch.device, checkpoint: Path | None = None) -> torch.nn.Module:

@@ -13,6 +13,8 @@ On a CPU the same code runs with plain copies (no streams, no pinned memory): th
 those of plain checkpointing, which tests/test_memory_constrained.py checks.
 """
 
+from contextlib import nullcontext
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -59,10 +61,12 @@ class _Offloaded:
 
 
 class ActivationOffload:
-    """The checkpoint function of a model's decoder layers with offloaded inputs (`install`)."""
+    """The checkpoint function of a model's decoder layers with offloaded inputs (`install`). `host_copies`: a context
+    manager factory entered around each copy to the host (a measurement of device memory leaves them out with it)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, host_copies=nullcontext):
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.host_copies = host_copies
         self.last = None  # the input packed last: the previous layer of the next one packed
         self.packed = 0  # inputs offloaded so far (tests count them)
 
@@ -84,7 +88,8 @@ class ActivationOffload:
         if not tensor.is_floating_point():  # a mask or an index
             return tensor
         chained = self.last if self.last is not None and not self.last.used else None
-        self.last = _Offloaded(tensor, self.stream, chained)
+        with self.host_copies():
+            self.last = _Offloaded(tensor, self.stream, chained)
         self.packed += 1
         return self.last
 

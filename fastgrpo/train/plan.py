@@ -4,7 +4,7 @@
 largest micro-batch, the KV pool and the loss chunk that fit `gpu_memory`. The model is built on the meta device
 (no weights read or allocated), which gives every parameter's shape exactly; the rest are formulas over the shapes,
 written out with their derivations in benchmarks/NOTES.md ("Memory plan") and checked against live-tensor traces of
-real runs (fastgrpo/memory_trace.py, benchmarks/memory_plan.py).
+real runs (fastgrpo/bench/memory_trace.py, `fastgrpo bench memory-plan`).
 
 Phases (bytes of live tensors; the CUDA context and allocator slack are the `RESERVE` left out of gpu_memory):
     sampling   weights + trainable state + the KV pool + one engine forward (a token budget) and the sampler
@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastgrpo.sampling.block_pool import group_pages
+from fastgrpo.sampling.engine import available_memory
 from fastgrpo.sampling.params import EngineConfig
 from fastgrpo.sizes import GiB
 from fastgrpo.train.config import TrainConfig, train_dtype
@@ -198,7 +200,7 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     # larger of a prefill forward (max_num_batched_tokens) and a decode step (a token per running sequence)
     G, P = config.num_generations, config.generation_batch_size // config.num_generations
     bs = config.block_size
-    needed = P * (prompt // bs + G * math.ceil((prompt % bs + config.max_completion_length) / bs))
+    needed = P * group_pages(prompt, G, config.max_completion_length, bs)
     blocks = needed if kv_blocks is None else kv_blocks  # the engine allocates kv_cache_blocks pages as given
     rows = min(ENGINE.max_num_seqs, config.generation_batch_size)
     kv = (blocks + 1) * kv_block_bytes(s, bs, b)
@@ -245,6 +247,33 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
 def kv_block_bytes(s: Shapes, block_size: int, b: int) -> int:
     """One page of the paged KV pool: K and V of block_size tokens in every layer."""
     return 2 * s.layers * block_size * s.kv_heads * s.head_dim * b
+
+
+def check_kv_cache_blocks(config: TrainConfig, shapes: Shapes, device: torch.device, prompt_lengths: list[int],
+                          eval_prompt_lengths: list[int]) -> None:
+    """kv_cache_blocks, when given, against what sampling needs and the memory there is, before anything is
+    allocated: the engine would refuse too few pages only at its first call (the first evaluation), and a pool larger
+    than memory grows the process (its page lists first, 48 bytes a page: 48 GB for 1e9) until the kernel kills it."""
+    blocks = config.kv_cache_blocks
+    if blocks is None:
+        return
+    bs, G, m = config.block_size, config.num_generations, config.max_completion_length
+    needed = max([group_pages(t, G, m, bs) for t in set(prompt_lengths)]
+                 + [group_pages(t, 1, m, bs) for t in set(eval_prompt_lengths)])  # evaluation: one completion each
+    if blocks < needed:
+        raise ValueError(f"kv_cache_blocks {blocks} is too few: sampling one prompt group (a prompt and its "
+                         f"num_generations {G} completions of up to max_completion_length {m} tokens) needs {needed} "
+                         f"pages of {bs} tokens; give at least {needed}, or leave it unset to size the pool from "
+                         "sampling_memory_fraction")
+    page = kv_block_bytes(shapes, bs, dtype_bytes(config, device.type))
+    available = available_memory(device)
+    if available is not None and (blocks + 1) * page > available:  # one scratch page past the pool
+        where = f"free on {device}" if device.type == "cuda" else "MemAvailable in /proc/meminfo"
+        raise ValueError(f"kv_cache_blocks {blocks} is too many: the KV pool would take "
+                         f"{(blocks + 1) * page / GiB:.1f} GiB ({page} bytes a page), and {available / GiB:.1f} GiB "
+                         f"is available ({where}); at most {available // page - 1} pages fit there, before the model "
+                         "and the training step take theirs; or leave it unset to size the pool from "
+                         "sampling_memory_fraction")
 
 
 def sampler_bytes(s: Shapes, rows: int) -> int:

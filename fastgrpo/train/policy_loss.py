@@ -60,19 +60,24 @@ class PolicyLoss(torch.nn.Module):
         self.packed = packed
         self.head = head  # the model's logit transform {logit_scale, logit_softcap} (check_head)
 
-    def _hidden(self, mb) -> torch.Tensor:
-        return completion_hidden(self.model, mb.sequences, mb.prompt_lengths, mb.mask.shape[1],
-                                 self.packed)  # [b, T, H]
+    def hidden(self, mb) -> torch.Tensor:
+        """The backbone's last hidden states that predict micro-batch `mb`'s completion tokens: [b, T, H]."""
+        return completion_hidden(self.model, mb.sequences, mb.prompt_lengths, mb.mask.shape[1], self.packed)
 
-    def forward(self, mb, config: LossConfig, num_items_in_batch: float | None = None):
-        """The fused GRPO loss of micro-batch `mb` (and its metrics), its gradient computed on the way."""
+    def loss(self, hidden: torch.Tensor, mb, config: LossConfig, num_items_in_batch: float | None = None):
+        """The fused GRPO loss of micro-batch `mb` from its `hidden` states (and its metrics), its gradient computed
+        on the way."""
         weight, bias = lm_head(self.model)
-        return fused_grpo_loss(self._hidden(mb), weight, mb.completion_ids, mb.mask, mb.advantages, bias=bias,
+        return fused_grpo_loss(hidden, weight, mb.completion_ids, mb.mask, mb.advantages, bias=bias,
                                old_logps=mb.old_logps, ref_logps=mb.ref_logps, config=config,
                                importance_weights=mb.importance_weights, num_items_in_batch=num_items_in_batch)
+
+    def forward(self, mb, config: LossConfig, num_items_in_batch: float | None = None):
+        """`loss(hidden(mb), ...)`: the pass DDP and FSDP2 wrap (a memory trace counts its two parts apart)."""
+        return self.loss(self.hidden(mb), mb, config, num_items_in_batch)
 
     def logprobs(self, mb, temperature: float = 1.0) -> torch.Tensor:
         """Logprobs of the completion tokens of micro-batch `mb`: [b, T] fp32 (one GEMM per chunk without grad)."""
         weight, bias = lm_head(self.model)
-        return token_logprobs(self._hidden(mb), weight, mb.completion_ids, bias=bias, temperature=temperature,
+        return token_logprobs(self.hidden(mb), weight, mb.completion_ids, bias=bias, temperature=temperature,
                               **self.head)[0]

@@ -70,6 +70,7 @@ from fastgrpo.train.logs import (
     summary_line,
 )
 from fastgrpo.train.plan import (
+    check_kv_cache_blocks,
     describe_peak,
     fitted,
     format_plan,
@@ -207,7 +208,7 @@ class Trainer:
     def _plan_memory(self) -> None:
         """The memory plan of this run (fastgrpo.train.plan) for gpu_memory (or the GPU's own), with the training
         data's longest prompt, in self.plan_text; with auto_fit the config takes the settings it picks. A run the plan
-        says does not fit gets a warning."""
+        says does not fit gets a warning; a kv_cache_blocks that cannot sample or does not fit in memory, an error."""
         config = self.config
         gpu = None
         if config.gpu_memory is not None:
@@ -219,6 +220,8 @@ class Trainer:
         plan = plan_run(config, shapes, self.device.type, gpu, prompt_length=longest)
         if config.auto_fit:
             self.config = config = dataclasses.replace(config, **fitted(config, plan))
+        evaluated = [] if self.eval_prompts is None else list(map(len, self.eval_prompts.token_ids))
+        check_kv_cache_blocks(config, shapes, self.device, list(map(len, self.train_prompts.token_ids)), evaluated)
         self.plan_text = format_plan(plan, gpu)
         if gpu is not None and self.world.is_main:
             print(f"fastgrpo train: memory plan: peak {plan.peak() / GiB:.1f} GiB ({describe_peak(plan)}) of "
@@ -275,7 +278,7 @@ class Trainer:
 
         self.order = PromptOrder(len(self.train_prompts.rows), config.seed)
         self.step, self.num_tokens, self.seconds, self.initial_accuracy = 0, 0, 0.0, None
-        # Called with each phase's name ("sampling", "logprobs", "train"), each a context manager entered around
+        # Functions of a phase's name ("sampling", "logprobs", "train") returning a context manager, entered around
         # that phase of train_step: how a measurement attributes what it counts (fastgrpo.bench.memory_trace).
         self.phase_hooks = []
         if resume_from is not None:

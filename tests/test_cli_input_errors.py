@@ -302,15 +302,15 @@ def test_missing_local_paths_are_named_without_asking_the_hub(assets, tmp_path, 
     (inputs / "not-a-model" / "notes.txt").write_text("x")
     run = tmp_path / "run"
     cases = [
-        ("--model-name-or-path", "./models/qwen", "model_name_or_path: ./models/qwen does not exist (a local path, "
+        ("--model-name-or-path", "./models/qwen", "--model-name-or-path: ./models/qwen does not exist (a local path, "
                                                   "so the hub was not asked)"),
-        ("--model-name-or-path", str(inputs / "nowhere"), f"model_name_or_path: {inputs / 'nowhere'} does not exist"),
-        ("--model-name-or-path", "~/no/such/model", "model_name_or_path: ~/no/such/model does not exist"),
-        ("--model-name-or-path", str(inputs / "not-a-model"), f"model_name_or_path: the folder {inputs}/not-a-model "
+        ("--model-name-or-path", str(inputs / "nowhere"), f"--model-name-or-path: {inputs / 'nowhere'} does not exist"),
+        ("--model-name-or-path", "~/no/such/model", "--model-name-or-path: ~/no/such/model does not exist"),
+        ("--model-name-or-path", str(inputs / "not-a-model"), f"--model-name-or-path: the folder {inputs}/not-a-model "
                                                               "is not a transformers model (it holds no config.json)"),
-        ("--dataset-name", "./data/gsm8k", "dataset_name: ./data/gsm8k does not exist (a local path, so the hub was "
+        ("--dataset-name", "./data/gsm8k", "--dataset-name: ./data/gsm8k does not exist (a local path, so the hub was "
                                            "not asked)"),
-        ("--dataset-name", str(inputs / "nowhere"), f"dataset_name: {inputs / 'nowhere'} does not exist"),
+        ("--dataset-name", str(inputs / "nowhere"), f"--dataset-name: {inputs / 'nowhere'} does not exist"),
     ]
     for option, value, message in cases:
         args = {"--model-name-or-path": assets["model"], "--dataset-name": assets["data"], "--output-dir": str(run),
@@ -352,9 +352,9 @@ def test_offline_hub_names_say_what_was_looked_for_and_where(assets, tmp_path, i
     errors = [line for line in done.stderr.splitlines() if line.startswith("fastgrpo train: error:")]
     assert len(errors) == 2, done.stderr[-3000:]
     model_error, data_error = errors
-    assert ("model_name_or_path: cannot load 'fastgrpo-tests/no-such-model' from huggingface.co (offline mode: not "
+    assert ("--model-name-or-path: cannot load 'fastgrpo-tests/no-such-model' from huggingface.co (offline mode: not "
             f"asked) and the cache {home / 'hub'}: OSError") in model_error
-    assert ("dataset_name: cannot load 'fastgrpo-tests/no-such-data' from huggingface.co (offline mode: not asked) "
+    assert ("--dataset-name: cannot load 'fastgrpo-tests/no-such-data' from huggingface.co (offline mode: not asked) "
             f"and the cache {home / 'datasets'}: ConnectionError") in data_error
 
 

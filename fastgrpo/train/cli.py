@@ -107,7 +107,8 @@ def flagged(error: Exception) -> str:
     """An error of fastgrpo's checks in the words a command-line user typed: the options it names as flags
     (max_steps -> --max-steps; a one-word option only where the message starts with it)."""
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    text = re.sub(r"\b[a-z0-9]+(?:_[a-z0-9]+)+\b", lambda m: flag(m[0]) if m[0] in fields else m[0], str(error))
+    text = re.sub(r"(?<!['\w])[a-z0-9]+(?:_[a-z0-9]+)+(?!['\w])", lambda m: flag(m[0]) if m[0] in fields else m[0],
+                  str(error))  # (a quoted name stays: it is a YAML key or a value)
     first = re.match(r"([a-z0-9]+)(?=[: ])", text)
     return flag(first[1]) + text[first.end():] if first and first[1] in fields else text
 

@@ -173,7 +173,7 @@ def test_silu_mul_kernel():
 
 
 @interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("temperature,top_k", [(0, 0), (1.0, 0), (0.6, 0), (0.6, 300), (1.0, 1), (0, 300)])
 def test_fused_sampler_matches_the_pytorch_sampler(dtype, temperature, top_k):
     """Same tokens, logprobs to 1e-6, over several vocabulary tiles (the last one partial), from logits in the

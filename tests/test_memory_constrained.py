@@ -53,6 +53,7 @@ def test_offloaded_checkpoints_give_the_gradients_of_plain_checkpointing():
     assert offload.packed == 4
 
 
+@pytest.mark.slow
 def test_offload_activations_trains_like_plain_checkpointing(assets, tmp_path):
     """`offload_activations` in the trainer: the same metrics and weights as without it."""
     settings = dict(max_steps=2, save_steps=2, beta=0.05)
@@ -88,6 +89,7 @@ def saved_tensors(path) -> dict:
 
 
 @pytest.mark.parametrize("use_peft", [False, True], ids=["full", "lora"])
+@pytest.mark.slow
 def test_adamw_8bit_resumes_exactly(assets, tmp_path, monkeypatch, use_peft):
     settings = dict(optim="adamw_8bit", use_peft=use_peft, lora_r=64)  # r 64: lora_A [64, 64] gets 8-bit states
     trainer = resumed_equals_unbroken(assets, tmp_path, monkeypatch, **settings)
@@ -102,6 +104,7 @@ def test_adamw_8bit_resumes_exactly(assets, tmp_path, monkeypatch, use_peft):
         assert not torch.allclose(a["lm_head.weight"], initial["lm_head.weight"], atol=1e-4)  # it trained
 
 
+@pytest.mark.slow
 def test_4bit_lora_resumes_exactly_and_keeps_the_head_unquantized(assets, tmp_path, monkeypatch):
     trainer = resumed_equals_unbroken(assets, tmp_path, monkeypatch, use_peft=True, load_in_4bit=True, lora_r=8,
                                       beta=0.04)

@@ -87,6 +87,7 @@ def add_magnitude(total: torch.Tensor):
     return hook
 
 
+@pytest.mark.slow
 def test_auto_fit_picks_a_smaller_micro_batch_and_the_update_stays(assets, tmp_path):
     """A gpu_memory between the micro-batch-4 and micro-batch-8 plans: --auto-fit trains with 4 (and twice the
     accumulation and steps per generation), and the update is the unfitted run's: the same rewards and the same

@@ -43,6 +43,7 @@ def test_greedy_matches_hf_generate(model, block_size):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU run of the Triton backend")
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.slow  # the Triton interpreter: ~13 s for qwen2 alone
 def test_triton_backend_greedy_matches_hf_generate(family):
     model = tiny(family)
     prompts = prompts_for(4)

@@ -230,6 +230,7 @@ def test_transforms_the_loss_cannot_reproduce_are_refused():
         check_head(model)
 
 
+@pytest.mark.slow
 def test_softcapped_model_trains_with_its_cap(tmp_path, assets, monkeypatch):
     """A Gemma-2-like softcap flows into the old logprobs and the loss: the training forward's logprobs equal the
     sampler's, and one step's gradient equals the float64 truth (the model's own forward, cap included)."""
@@ -247,7 +248,7 @@ def test_softcapped_model_trains_with_its_cap(tmp_path, assets, monkeypatch):
 # -- entropy bonus ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", pytest.param("dapo", marks=pytest.mark.slow)])
 def test_entropy_bonus_gradient_matches_trl(assets, tmp_path, monkeypatch, loss_type):
     """2 micro-batches: the bonus is each one's mean token entropy over the accumulation steps (not over dapo's
     token normaliser)."""
@@ -284,7 +285,8 @@ def test_importance_sampling_on_policy_changes_nothing(assets, tmp_path, monkeyp
     assert largest_difference(corrected["gradient"], [g.double() for g in plain["gradient"]]) < 1e-5
 
 
-@pytest.mark.parametrize("mode", IMPORTANCE_SAMPLING_MODES)
+@pytest.mark.parametrize("mode", [m if m == "token_truncate" else pytest.param(m, marks=pytest.mark.slow)
+                                  for m in IMPORTANCE_SAMPLING_MODES])  # token_truncate in the fast run
 def test_importance_weights_follow_trl_and_reach_the_loss(assets, tmp_path, monkeypatch, mode):
     """Noise on the sampler's logprobs: the weights equal TRL's formula (both bounds hit), their metrics TRL's, and
     the step's gradient the float64 truth weighted by them, far from the uncorrected one."""

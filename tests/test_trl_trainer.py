@@ -489,7 +489,8 @@ def test_bf16_model_with_fp32_lm_head_matches_trl(workdir):
     _assert_same_training(stock, fast, {name: p.to(torch.bfloat16) for name, p in _initial(path).items()})
 
 
-@pytest.mark.parametrize(("loss_type", "level"), [("grpo", "token"), ("bnpo", "sequence")])
+@pytest.mark.parametrize(("loss_type", "level"), [("grpo", "token"),
+                                                  pytest.param("bnpo", "sequence", marks=pytest.mark.slow)])
 def test_top_entropy_quantile_matches_trl(workdir, loss_type, level):
     path, tokenizer = workdir
     options = dict(loss_type=loss_type, **EXTRA[loss_type], importance_sampling_level=level, beta=0.04,
@@ -519,8 +520,8 @@ def test_off_policy_mask_matches_trl(workdir):
 
 @pytest.mark.parametrize(("loss_type", "extra"), [
     ("dapo", dict(gradient_accumulation_steps=2, steps_per_generation=4)),
-    ("grpo", dict(gradient_accumulation_steps=2, num_iterations=2, beta=0.04)),
-    ("bnpo", dict(num_iterations=2, off_policy_mask_threshold=0.0)),
+    pytest.param("grpo", dict(gradient_accumulation_steps=2, num_iterations=2, beta=0.04), marks=pytest.mark.slow),
+    pytest.param("bnpo", dict(num_iterations=2, off_policy_mask_threshold=0.0), marks=pytest.mark.slow),
 ])
 def test_entropy_bonus_matches_trl(workdir, loss_type, extra):
     """TRL's static entropy bonus (entropy_coef): its gradient flows through the entropy into the head; the logged

@@ -70,12 +70,12 @@ def test_a_gpu_too_small_is_refused_naming_what_would_fit(capsys):
         main(["plan", "--model-name-or-path", QWEN_7B, "--gpu-memory", "8GiB", "--auto-fit"])
     assert done.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("fastgrpo plan: error: gpu_memory: 8.0 GiB (7.1 GiB for tensors) cannot fit even "
-                          "per_device_train_batch_size 1: it needs ")
+    assert err.startswith("fastgrpo plan: error: --gpu-memory: 8.0 GiB (7.1 GiB for tensors) cannot fit even "
+                          "--per-device-train-batch-size 1: it needs ")
     assert "with --use-peft: " in err and "with --use-peft --load-in-4bit: " in err and "(fits)" in err
     with pytest.raises(SystemExit):
         main(["plan", "--model-name-or-path", QWEN_7B, "--gpu-memory", "lots"])
-    assert "gpu_memory: 'lots' is not a memory size such as 24GiB" in capsys.readouterr().err
+    assert "--gpu-memory: 'lots' is not a memory size such as 24GiB" in capsys.readouterr().err
 
 
 def add_magnitude(total: torch.Tensor):

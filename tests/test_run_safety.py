@@ -96,7 +96,7 @@ def test_overwrite_refuses_the_working_directory_its_parents_and_home(assets, tm
             Trainer(make_config(assets, tmp_path, output_dir=output_dir, overwrite_output_dir=True))
     line = one_line_error(capsys, ["--output-dir", ".", "--overwrite-output-dir", "--model-name-or-path",
                                    assets["model"], "--dataset-name", assets["data"]])
-    assert "output_dir . is the working directory" in line
+    assert "--output-dir . is the working directory" in line
     assert snapshot(tmp_path) == before
 
 
@@ -159,7 +159,7 @@ def test_resume_refuses_max_steps_not_past_the_checkpoint(assets, tmp_path, fini
                                              rf"{run / 'checkpoint-2'} \(2\); pass --max-steps greater than 2"):
             Trainer(make_config(assets, tmp_path, resume=True, max_steps=max_steps))
     line = one_line_error(capsys, ["--output-dir", str(run), "--resume", "--max-steps", "1"])
-    assert "max_steps 1 is not past" in line and "checkpoint-2" in line
+    assert "--max-steps 1 is not past" in line and "checkpoint-2" in line
     assert snapshot(tmp_path) == before  # config.yaml is not rewritten, no lock file appears
 
 
@@ -259,7 +259,7 @@ def test_output_dir_that_is_a_file_or_read_only_is_refused_before_the_model_load
         Trainer(make_config(assets, tmp_path, output_dir=str(run / "sub")))
     line = one_line_error(capsys, ["--output-dir", str(run), "--model-name-or-path", assets["model"],
                                    "--dataset-name", assets["data"]])
-    assert f"output_dir {run} is a file" in line
+    assert f"--output-dir {run} is a file" in line
     assert snapshot(tmp_path) == before
 
     run.unlink()

@@ -343,7 +343,7 @@ def test_cli_runs_and_resumes(assets, tmp_path, capsys):
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
     with pytest.raises(SystemExit):
         main(["train", "--model-name-or-path", assets["model"], "--dataset-name", assets["data"], "--top-p", "2"])
-    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert "--top-p must be in (0, 1]" in capsys.readouterr().err
     shutil.rmtree(run)
 
 

@@ -6,6 +6,10 @@ convert_hf_to_gguf.py writes one: its tensor names, F32 weights, q/k rows permut
 """
 
 import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +18,7 @@ from train_helpers import make_config
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from fastgrpo.cli import main
-from fastgrpo.train import Trainer, checkpoint
+from fastgrpo.train import TrainConfig, Trainer, arithmetic, checkpoint
 from fastgrpo.train.loading import load_policy, load_tokenizer, model_config
 
 # The arithmetic task's characters, one token each, and "12" so that the BPE has a merge (transformers rebuilds
@@ -100,12 +104,17 @@ def test_plan_reads_a_gguf_file(tiny_gguf, capsys):
     assert f"fastgrpo plan: {tiny_gguf[0]} on cpu" in capsys.readouterr().out
 
 
-def test_missing_gguf_file_is_one_line_naming_the_option(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["plan", "--model-name-or-path", str(tmp_path / "missing.gguf"), "--device", "cpu"])
-    assert exit_.value.code == 2
-    assert capsys.readouterr().err == (f"fastgrpo plan: error: --model-name-or-path: the GGUF file "
-                                       f"{tmp_path / 'missing.gguf'} does not exist\n")
+def test_missing_or_unreadable_gguf_file_is_one_line_naming_the_option(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    (tmp_path / "notes.gguf").write_text("not a GGUF file")
+    for name, message in (("missing.gguf", f"the GGUF file {tmp_path / 'missing.gguf'} does not exist"),
+                          ("notes.gguf", f"cannot load '{tmp_path / 'notes.gguf'}' from the file "
+                                         f"{tmp_path / 'notes.gguf'}: ValueError: ")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["plan", "--model-name-or-path", str(tmp_path / name), "--device", "cpu"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith(f"fastgrpo plan: error: --model-name-or-path: {message}"), err
+        assert err.count("\n") == 1, err
 
 
 def test_without_the_gguf_package_the_error_names_the_extra(assets, tmp_path, monkeypatch):
@@ -123,3 +132,32 @@ def test_load_in_4bit_refuses_a_gguf_file(assets, tmp_path, tiny_gguf):
     config = make_config(assets, tmp_path, model_name_or_path=tiny_gguf[0], use_peft=True, load_in_4bit=True)
     with pytest.raises(ValueError, match="^load_in_4bit: .* is a GGUF file"):
         load_policy(config, torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_bench_step_runs_both_trainers_on_a_gguf_model(tiny_gguf, tmp_path):
+    """`fastgrpo bench step --model x.gguf`: fastgrpo and stock TRL step on the file's weights (saved once as a
+    folder both load), the prompts as text (the tiny tokenizer has no chat template), stopping at its own EOS."""
+    pytest.importorskip("trl")
+    out = subprocess.run([sys.executable, "-m", "fastgrpo.bench.step", "--quick", "--device", "cpu", "--model",
+                          tiny_gguf[0], "--out-dir", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (json_path,) = tmp_path.glob("step-*.json")
+    rows = json.loads(json_path.read_text())["rows"]
+    assert [row["method"] for row in rows] == ["trl", "fastgrpo"]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["model"] == tiny_gguf[0] and row["shape"] == "tiny.gguf" and row["generated_tokens"] > 0, row
+
+
+def test_smollm2_recipe_and_its_data():
+    """recipes/smollm2-arithmetic.yaml is a valid config once given the model, and its data is every a+b= with
+    a, b in [0, 20], split by the built-in task's rule."""
+    root = Path(__file__).resolve().parents[1]
+    config = TrainConfig.from_yaml(root / "recipes" / "smollm2-arithmetic.yaml", model_name_or_path="model.gguf")
+    assert config.use_peft and config.dataset_name == "recipes/data/addition-0-20"
+    for split in ("train", "test"):
+        text = (root / config.dataset_name / f"{split}.jsonl").read_text()
+        expected = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(21) for b in range(21)
+                    if arithmetic._in_test_split(a, b) == (split == "test")]
+        assert list(map(json.loads, text.splitlines())) == expected

@@ -36,7 +36,14 @@ steps. CPU: the resident set's peak over every step, warm-up included, as in har
 step stay resident for the next, so later steps grow less than their work needs; the warm-up step's growth includes
 the AdamW state (two more copies of the weights) in both trainers.
 
+With --model (a model folder or .gguf file) the workload runs on that model's real weights instead: loaded once as
+`fastgrpo train` loads it (a GGUF dequantized) and saved as one folder that both trainers load, with its own tokenizer
+and EOS; each prompt is prompt_len random tokens of its vocabulary as one user message, so that both trainers put it
+through the same chat template (as the text without one), and completions end at the model's own EOS (--eos-every
+does not apply).
+
     fastgrpo bench step --threads 1              # tiny Qwen2 shape, 8 prompts x G 8, prompt 128, up to 128 new tokens
+    fastgrpo bench step --model path/to/model.gguf --prompts 2 --group-size 8 --prompt-len 32 --max-new-tokens 32
     python -m fastgrpo.bench.step --quick
 """
 
@@ -78,6 +85,7 @@ class Workload:
     eos_every: float  # p(EOS) = 1 / eos_every per sampled token
     repeats: int  # timed steps, after one untimed warm-up step
     threads: int  # torch intra-op threads (CPU)
+    model: str | None = None  # a model folder or .gguf file whose weights replace the random `shape`
 
     @property
     def steps(self) -> int:
@@ -142,8 +150,32 @@ def calibrate_eos(model, workload: Workload) -> float:
     return p_eos(high)
 
 
+def save_model_inputs(workload: Workload, folder: Path) -> None:
+    """--model: its weights and tokenizer as `fastgrpo train` loads them, saved to folder/model; prompt_len random
+    tokens of its vocabulary (no special token) per prompt, decoded, to folder/prompts.jsonl: as one user message
+    where the tokenizer has a chat template (both trainers apply it then), else as the text."""
+    from fastgrpo.train.config import TrainConfig
+    from fastgrpo.train.loading import load_policy, load_tokenizer
+
+    config = TrainConfig(model_name_or_path=workload.model, dataset_name="builtin", bf16=False,
+                         gradient_checkpointing=False)
+    model, tokenizer = load_policy(config, torch.device("cpu")), load_tokenizer(config)
+    model.config.use_cache = True  # load_policy turns the KV cache off for training; HF generate (TRL) needs it
+    model.save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    special = set(tokenizer.all_special_ids)
+    vocab = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
+    g = torch.Generator().manual_seed(0)
+    ids = vocab[torch.randint(len(vocab), (workload.prompts * workload.steps, workload.prompt_len), generator=g)]
+    texts = map(tokenizer.decode, ids.tolist())
+    rows = [{"prompt": [{"role": "user", "content": text}] if tokenizer.chat_template else text} for text in texts]
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
 def save_inputs(workload: Workload, folder: Path) -> None:
     """folder/model (weights, config, tokenizer) and folder/prompts.jsonl, read by both methods' processes."""
+    if workload.model is not None:
+        return save_model_inputs(workload, folder)
     model = build_model(workload)
     model.save_pretrained(folder / "model")
     word_tokenizer(model.config.vocab_size).save_pretrained(folder / "model")
@@ -207,7 +239,7 @@ def _step_row(total: float, phases: dict, peak: int, lengths: dict) -> dict:
 # -- TRL -------------------------------------------------------------------------------------------------------------
 
 
-def _step_clock(device: torch.device):
+def _step_clock(device: torch.device, eos_id: int):
     """A TrainerCallback timing each optimizer step of TRL's loop, and the phases of the trainer methods it wraps."""
     from transformers import TrainerCallback
 
@@ -256,7 +288,7 @@ def _step_clock(device: torch.device):
             lengths = [len(ids) for ids in self.completion_ids]  # [P*G], each up to and including its EOS
             stats = {"generated_tokens": sum(lengths), "mean_length": sum(lengths) / len(lengths),
                      "min_length": min(lengths), "max_length": max(lengths),
-                     "clipped_ratio": sum(ids[-1] != EOS_ID for ids in self.completion_ids) / len(lengths)}
+                     "clipped_ratio": sum(ids[-1] != eos_id for ids in self.completion_ids) / len(lengths)}
             self.steps.append(_step_row(end - self.start, phases, peak_memory(device) - self.base, stats))
 
     return StepClock()
@@ -264,8 +296,9 @@ def _step_clock(device: torch.device):
 
 def run_trl(workload: Workload, folder: Path) -> list[dict]:
     import datasets
-    from transformers import PreTrainedTokenizerFast
     from trl import GRPOConfig, GRPOTrainer
+
+    from fastgrpo.train.loading import tokenizer_from
 
     device = torch.device(workload.device)
     rows = [json.loads(line) for line in (folder / "prompts.jsonl").read_text().splitlines()]
@@ -280,9 +313,10 @@ def run_trl(workload: Workload, folder: Path) -> list[dict]:
         gradient_checkpointing_kwargs={"use_reentrant": False}, max_steps=workload.steps, seed=SEED,
         report_to=[], save_strategy="no", disable_tqdm=True,
     )  # fmt: skip
-    clock = _step_clock(device)
-    # The word-level tokenizer itself: AutoTokenizer would load a qwen2 folder's tokenizer as Qwen2Tokenizer.
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder / "model")
+    # The tokenizer as fastgrpo's trainer loads it: the word-level one itself (AutoTokenizer would load a qwen2
+    # folder's tokenizer as Qwen2Tokenizer), a --model's own.
+    tokenizer = tokenizer_from(str(folder / "model"))
+    clock = _step_clock(device, tokenizer.eos_token_id)
     trainer = GRPOTrainer(model=str(folder / "model"), reward_funcs=length_reward, args=args,
                           train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
                           callbacks=[clock])
@@ -327,6 +361,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a few seconds on a CPU: tiny model, 2 prompts x G 4, prompt 16, up to 24 new tokens")
     harness.add_device_arguments(parser, shape="model shape (random weights; default tiny)")
+    parser.add_argument("--model", help="a model folder or .gguf file: its real weights instead of --shape's random "
+                                         "ones (its chat template, tokenizer and EOS)")
     parser.add_argument("--prompts", type=int, help="prompts per step P (default 8)")
     parser.add_argument("--group-size", type=int, help="completions per prompt G (default 8)")
     parser.add_argument("--prompt-len", type=int, help="tokens per prompt (default 128)")
@@ -352,6 +388,12 @@ def _workload(args: argparse.Namespace, device: str) -> Workload:
         raise SystemExit(f"--threads must be >= 1, got {args.threads}")
     if chosen["group_size"] is not None and chosen["group_size"] < 2:
         raise SystemExit(f"--group-size must be >= 2 (GRPO groups need 2 completions), got {chosen['group_size']}")
+    if args.model is not None:
+        if args.shape is not None:
+            raise SystemExit("--shape and --model: give one (--model's weights replace the random shape's)")
+        if not Path(args.model).exists():
+            raise SystemExit(f"--model: {args.model} does not exist")
+        chosen["shape"] = Path(args.model).name
     if chosen["eos_every"] is not None and not chosen["eos_every"] > 1:
         raise SystemExit(f"--eos-every must be > 1 (p(EOS) below 1), got {chosen['eos_every']}")
     values = {k: v if v is not None else defaults[k] for k, v in chosen.items()}
@@ -360,7 +402,7 @@ def _workload(args: argparse.Namespace, device: str) -> Workload:
     if micro_batch < 1 or completions % micro_batch:
         raise SystemExit(f"--micro-batch must divide the {completions} completions of a step, got {micro_batch}")
     return Workload(device=device, dtype=args.dtype or ("bf16" if device == "cuda" else "fp32"),
-                    micro_batch=micro_batch, threads=args.threads, **values)
+                    micro_batch=micro_batch, threads=args.threads, model=args.model, **values)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -390,9 +432,10 @@ def run(args: argparse.Namespace) -> list[dict]:
         ("step / TRL", "total_vs_trl", ".2f"), ("sampling / TRL", "sampling_vs_trl", ".2f"),
         ("update / TRL", "update_vs_trl", ".2f"), ("memory / TRL", "peak_vs_trl", ".2f"),
     ])  # fmt: skip
+    eos = f"p(EOS) 1/{workload.eos_every:g}" if workload.model is None else "its own EOS; chat template"
     title = (f"{workload.shape} ({workload.dtype}) on {env['device']}: one GRPO step of {workload.prompts} prompts x "
              f"G={workload.group_size}, prompt {workload.prompt_len}, up to {workload.max_new_tokens} new tokens "
-             f"(p(EOS) 1/{workload.eos_every:g}), micro-batch {workload.micro_batch}, dapo, beta 0; median of "
+             f"({eos}), micro-batch {workload.micro_batch}, dapo, beta 0; median of "
              f"{workload.repeats} step(s) after a warm-up step, {workload.threads} torch thread(s)")
     harness.publish(args.out_dir, "step", env, rows, title, table)
     return rows

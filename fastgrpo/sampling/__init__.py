@@ -2,5 +2,6 @@
 
 from fastgrpo.sampling.engine import Completion, Engine, GenerateStats
 from fastgrpo.sampling.params import EngineConfig, SamplingParams
+from fastgrpo.sampling.turns import Turn
 
-__all__ = ["Completion", "Engine", "EngineConfig", "GenerateStats", "SamplingParams"]
+__all__ = ["Completion", "Engine", "EngineConfig", "GenerateStats", "SamplingParams", "Turn"]

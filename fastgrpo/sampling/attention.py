@@ -38,6 +38,7 @@ class PagedBatch:
     tile_seqs: torch.Tensor | None = None  # [num_tiles] int32 (triton)
     tile_starts: torch.Tensor | None = None  # [num_tiles] int32 (triton)
     tiles: Tiles | None = None  # triton
+    num_rows: int = 0  # the leading sequences that are decode rows (one new token each)
 
 
 def triton_tiles(query_lens: list[int], group: int, dtype: torch.dtype) -> tuple[Tiles, list[int], list[int]]:
@@ -102,6 +103,7 @@ def build_paged_batch(
         tile_seqs=tile_seqs,
         tile_starts=tile_starts,
         tiles=tiles,
+        num_rows=num_rows,
     )
 
 
@@ -170,10 +172,25 @@ def reference_paged_attention(
 
 
 def _torch_backend(query, k_cache, v_cache, batch: PagedBatch, scale: float) -> torch.Tensor:
-    return reference_paged_attention(
-        query, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_starts, scale,
-        batch.max_query_len, batch.max_context_len,
-    )
+    """A step that mixes decode rows with longer chunks (prompts, continuations after a tool call) runs the rows
+    apart: padded to the longest chunk, each row would cost that chunk's length in queries (6.5 ms instead of
+    1.5 ms a layer for 32 rows of 384 positions and one 17-token chunk, 8 query and 2 KV heads of 32, 2 CPU
+    threads)."""
+    rows = batch.num_rows
+    if rows == 0 or batch.max_query_len == 1 or rows == batch.block_tables.shape[0]:
+        return reference_paged_attention(
+            query, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_starts, scale,
+            batch.max_query_len, batch.max_context_len,
+        )  # fmt: skip
+    decode = reference_paged_attention(
+        query[:rows], k_cache, v_cache, batch.block_tables[:rows], batch.context_lens[:rows],
+        batch.query_starts[: rows + 1], scale, 1, batch.max_context_len,
+    )  # fmt: skip
+    chunks = reference_paged_attention(
+        query[rows:], k_cache, v_cache, batch.block_tables[rows:], batch.context_lens[rows:],
+        batch.query_starts[rows:] - rows, scale, batch.max_query_len, batch.max_context_len,
+    )  # fmt: skip
+    return torch.cat([decode, chunks])
 
 
 def _triton_backend(query, k_cache, v_cache, batch: PagedBatch, scale: float) -> torch.Tensor:

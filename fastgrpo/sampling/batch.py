@@ -4,11 +4,13 @@ Every sequence that feeds exactly one token a step (its last sampled one) is a r
 inputs for all rows are a handful of tensor ops on the device, whatever the batch size: the token each row feeds is
 the one it sampled last step (never read back to the host), its position is its context length, and its KV slot
 comes from its row of the block table. The host touches a row only when something changes: the row joins (a prompt
-forks, a recompute catches up), leaves (it finished, or its group is preempted) or crosses into a new page. Host
-mirrors (numpy) of the context lengths and page counts let the scheduler find page crossings without a device read.
+forks, a recompute or a continuation catches up), leaves (it finished or ended its turn, or its group is
+preempted) or crosses into a new page. Host mirrors (numpy) of the context lengths and page counts let the scheduler
+find page crossings without a device read.
 
 Sampled tokens and their logprobs go straight into per-sequence output buffers ([sequences, max_new_tokens]); the
-host reads them once, when the call ends (and for a preempted group's recompute, or a stop-string check).
+host reads them once, when the call ends (and for a preempted group's recompute, an ended turn, or a stop-string
+check).
 """
 
 import numpy as np
@@ -122,20 +124,32 @@ class DecodeBatch:
 class Outputs:
     """Sampled tokens and their logprobs per completion, [num_seqs, max_new_tokens] on the device, and the uniform
     random number each token will be drawn with (sampler.uniforms of the seed, completion and column; None for
-    greedy decoding): 20 bytes per token the call may sample, fewer than the returned Python lists take."""
+    greedy decoding): 20 bytes per token the call may sample, fewer than the returned Python lists take. Tokens a
+    multi-turn caller appends go to the same rows (logprob 0); `turn_starts` (host) is the column where each
+    completion's current turn began."""
 
     def __init__(self, num_seqs: int, max_new_tokens: int, device: torch.device, seed: int | None,
-                 streams: torch.Tensor | None = None):
-        """`streams` [num_seqs]: the random stream of each output row (default: the row itself)."""
+                 streams: torch.Tensor | None = None, first_columns: torch.Tensor | None = None):
+        """`streams` [num_seqs]: the random stream of each output row (default: the row itself); `first_columns`
+        [num_seqs]: the counter of each row's column 0 (default 0)."""
         self.tokens = torch.zeros(num_seqs, max_new_tokens, dtype=torch.long, device=device)
         self.logprobs = torch.zeros(num_seqs, max_new_tokens, dtype=torch.float32, device=device)
+        self.turn_starts = np.zeros(num_seqs, dtype=np.int64)
         streams = torch.arange(num_seqs, device=device) if streams is None else streams.to(device)
-        self.uniforms = None if seed is None else uniforms(
-            seed, streams[:, None], torch.arange(max_new_tokens, device=device))
+        columns = torch.arange(max_new_tokens, device=device)
+        if first_columns is not None:
+            columns = first_columns.to(device)[:, None] + columns  # [num_seqs, max_new_tokens]
+        self.uniforms = None if seed is None else uniforms(seed, streams[:, None], columns)
 
     def write(self, seq_ids: torch.Tensor, columns: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor):
         self.tokens[seq_ids, columns] = tokens
         self.logprobs[seq_ids, columns] = logprobs.float()
+
+    def append(self, seq_id: int, column: int, tokens: list[int]) -> None:
+        """A caller's tokens at columns column.. of row seq_id, with logprob 0 (they were not sampled)."""
+        end = column + len(tokens)
+        self.tokens[seq_id, column:end] = torch.tensor(tokens, dtype=torch.long).to(self.tokens.device)
+        self.logprobs[seq_id, column:end] = 0.0
 
     def token_lists(self, seq_ids: list[int], lengths: list[int]) -> list[list[int]]:
         return self._lists(self.tokens, seq_ids, lengths)

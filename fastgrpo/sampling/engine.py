@@ -9,6 +9,9 @@ parameters (decode_layers.py: fused q/k/v and gate/up GEMMs, fused elementwise k
 modules with attention swapped (transformers' AttentionInterface) for the duration of `generate`. On CUDA the
 sampler is two kernels that read the logits once (fastgrpo/kernels/sampling.py) unless top-p is on. The KV pool is
 allocated per call and released at its end, so the training step that follows gets the memory back.
+
+Multi-turn rollouts (agents): `generate(..., turn_end=f)` parks a sequence whose turn ended, with its pages, and
+appends the tokens `f` returns for it as a prefill continuation (turns.py): no token is computed twice.
 """
 
 import os
@@ -30,6 +33,7 @@ from fastgrpo.sampling.params import EngineConfig, SamplingParams, check_int
 from fastgrpo.sampling.sampler import sample
 from fastgrpo.sampling.scheduler import Scheduler, Step
 from fastgrpo.sampling.sequence import Group, Sequence
+from fastgrpo.sampling.turns import TurnEnd, end_turns, wants_turns
 
 # Where model configs keep their context window: most architectures (GPT-2's n_positions is mapped to it too), then
 # configs that name it otherwise (MPT, ChatGLM / Qwen-1).
@@ -48,9 +52,10 @@ def context_window(model_config) -> int | None:
 
 @dataclass(slots=True)
 class Completion:
-    token_ids: list[int]
-    logprobs: list[float]  # per token: log-softmax of the processed logits it was sampled from
+    token_ids: list[int]  # everything after the prompt: sampled tokens, and the tokens turn_end appended
+    logprobs: list[float]  # per token: log-softmax of the processed logits it was sampled from; 0 for appended ones
     finish_reason: str  # "stop" (stop token or stop string) or "length"
+    tool_mask: list[int]  # per token: 1 sampled, 0 appended by turn_end (TRL's tool_mask: 0 leaves the loss)
 
 
 @dataclass(slots=True)
@@ -64,6 +69,16 @@ class GenerateStats:
     num_preemptions: int = 0
     leaked_blocks: int = 0  # pages still referenced when the call ended (always 0)
     prompt_tokens_computed: tuple[int, ...] = ()  # per prompt: prompt positions run through the model
+    # Of num_forward_tokens: positions computed again after a preemption (prompts and completions). Without one,
+    # num_forward_tokens = sum(prompt lengths) + sum(completion lengths - 1): every position once, bar each
+    # completion's last token (and the tool tokens that filled it to max_new_tokens, which nothing reads).
+    num_recomputed_tokens: int = 0
+    # Multi-turn (turn_end): turns handed to it, its calls, the tokens it appended (kept, not dropped), and the
+    # positions continuations computed (first time only): each resumed turn's last token and the appended tokens.
+    num_turns: int = 0
+    num_turn_end_calls: int = 0
+    num_appended_tokens: int = 0
+    num_continuation_tokens: int = 0
     seconds: float = 0.0
 
 
@@ -168,19 +183,32 @@ class Engine:
 
     def generate(
         self, prompt_token_ids: list[list[int]], n: int = 1, params: SamplingParams | None = None,
-        group_ids: list[int] | None = None,
+        group_ids: list[int] | None = None, *, first_columns: list[int] | None = None,
+        turn_end: TurnEnd | None = None, turn_batch: int = 1,
     ) -> list[list[Completion]]:
-        """G = n completions of each prompt. With a seed, completion j of prompt i draws its tokens from random
-        stream group_ids[i] * n + j (default group_ids: 0, 1, ...): give each prompt group its place in a larger
-        batch and a call over any slice of that batch (another process's share, say) samples what one call over
-        the whole batch would."""
+        """G = n completions of each prompt. With a seed, completion j of prompt i draws its k-th token from random
+        stream group_ids[i] * n + j (default group_ids: 0, 1, ...) at column first_columns[i] + k (default 0 + k):
+        give each prompt group its place in a larger batch and a call over any slice of that batch (another
+        process's share, say) samples what one call over the whole batch would; a prompt that holds the first
+        `first_columns[i]` tokens of a completion (a re-prefill of its earlier turns) samples what the completion
+        would have sampled next.
+
+        turn_end (multi-turn, turns.py): a completion that samples a stop token or completes a stop string ends its
+        turn and parks, its pages kept, instead of finishing; `turn_end(turns)` gets the parked ones (a list of
+        turns.Turn) and returns, per turn, the token ids to append (fed as a continuation, then decoding resumes)
+        or None to finish it. It is called before a step once `turn_batch` sequences are parked, or when the parked
+        ones hold the others up (nothing else can run, or the pool ran dry)."""
         params = SamplingParams() if params is None else params
         self._check_inputs(prompt_token_ids, n, params)
-        if group_ids is not None:
-            if not isinstance(group_ids, (list, tuple)) or len(group_ids) != len(prompt_token_ids):
-                raise ValueError("group_ids must be a list with one int per prompt")
-            for group_id in group_ids:
-                check_int("group_ids[i]", group_id, 0)
+        for name, values in (("group_ids", group_ids), ("first_columns", first_columns)):
+            if values is not None:
+                if not isinstance(values, (list, tuple)) or len(values) != len(prompt_token_ids):
+                    raise ValueError(f"{name} must be a list with one int per prompt")
+                for value in values:
+                    check_int(f"{name}[i]", value, 0)
+        if turn_end is not None and not callable(turn_end):
+            raise TypeError(f"turn_end must be a callable or None, got {type(turn_end).__name__}")
+        check_int("turn_batch", turn_batch, 1)
         start = time.perf_counter()
         groups = [Group(prompt=Sequence(list(prompt), len(prompt)), n=n, index=i)
                   for i, prompt in enumerate(prompt_token_ids)]  # fmt: skip
@@ -191,10 +219,11 @@ class Engine:
         batch = DecodeBatch(max(max_rows, n), max_blocks_per_seq, pool.block_size, self.device)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
         streams = None if group_ids is None else (torch.tensor(group_ids)[:, None] * n + torch.arange(n)).view(-1)
+        columns = None if first_columns is None else torch.tensor(first_columns).repeat_interleave(n)
         outputs = Outputs(len(groups) * n, params.max_new_tokens, self.device, None if params.greedy else seed,
-                          streams)
+                          streams, columns)
         scheduler = Scheduler(groups, pool, batch, outputs, self.config.max_num_seqs,
-                              self.config.max_num_batched_tokens)  # fmt: skip
+                              self.config.max_num_batched_tokens, multi_turn=turn_end is not None)  # fmt: skip
         finish = self._finish_check(params, outputs)
         self.stats = GenerateStats(num_blocks=num_blocks)
         if self.decoder is not None:  # the model may have changed since: LoRA wrapped in place, hooks, `.to()`
@@ -211,7 +240,13 @@ class Engine:
             )  # fmt: skip
             graphs = self._decode_graphs(kv_cache, max_blocks_per_seq)
             while not scheduler.done:
+                if wants_turns(scheduler, turn_batch):
+                    self._end_turns(scheduler, outputs, turn_end)
+                    continue
                 step = scheduler.schedule()
+                if not (step.num_rows or step.seqs) and scheduler.parked:  # only the parked ones can go on
+                    self._end_turns(scheduler, outputs, turn_end)
+                    continue
                 assert step.num_rows or step.seqs, "scheduler made no progress"
                 for src, dst in scheduler.take_copies():
                     kv_cache[:, :, dst] = kv_cache[:, :, src]
@@ -225,13 +260,21 @@ class Engine:
         self.stats.num_preemptions = scheduler.num_preemptions
         self.stats.leaked_blocks = num_blocks - pool.num_free
         self.stats.prompt_tokens_computed = tuple(group.prompt_tokens_computed for group in groups)
+        self.stats.num_recomputed_tokens = scheduler.num_recomputed
+        self.stats.num_continuation_tokens = scheduler.num_continued
         seqs = [seq for group in groups for seq in group.children]
         ids, lengths = [seq.seq_id for seq in seqs], [seq.num_generated for seq in seqs]
-        completions = iter(Completion(tokens, logprobs, seq.finish_reason) for seq, tokens, logprobs in zip(
-            seqs, outputs.token_lists(ids, lengths), outputs.logprob_lists(ids, lengths), strict=True))
+        completions = iter(Completion(tokens, logprobs, seq.finish_reason, tool_mask(seq)) for seq, tokens, logprobs
+                           in zip(seqs, outputs.token_lists(ids, lengths), outputs.logprob_lists(ids, lengths),
+                                  strict=True))  # fmt: skip
         self.stats.seconds = time.perf_counter() - start
-        self.stats.num_generated_tokens = sum(lengths)
+        self.stats.num_appended_tokens = sum(count for seq in seqs for _, count in seq.appended)
+        self.stats.num_generated_tokens = sum(lengths) - self.stats.num_appended_tokens
         return [[next(completions) for _ in range(n)] for _ in groups]
+
+    def _end_turns(self, scheduler: Scheduler, outputs: Outputs, turn_end: TurnEnd) -> None:
+        self.stats.num_turns += end_turns(scheduler, outputs, turn_end, self.vocab_size)
+        self.stats.num_turn_end_calls += 1
 
     def _check_inputs(self, prompt_token_ids, n, params) -> None:
         if not isinstance(params, SamplingParams):
@@ -371,6 +414,14 @@ class Engine:
             ).logits[0]
 
 
+def tool_mask(seq: Sequence) -> list[int]:
+    """[num_generated]: 1 for sampled tokens, 0 for the ones turn_end appended."""
+    mask = [1] * seq.num_generated
+    for column, count in seq.appended:
+        mask[column : column + count] = [0] * count
+    return mask
+
+
 def stop_string_candidates(tokenizer, stop: tuple[str, ...], vocab_size: int) -> torch.Tensor:
     """[V] bool: tokens whose text could complete one of the stop strings. A stop string that was not in the text
     before a token and is after it ends inside that token's text, so the token's text holds its last character;
@@ -431,7 +482,8 @@ class FinishCheck:
         done = set()
         at = torch.tensor(index, device=seq_ids.device)
         for i, seq_id, column in zip(index, seq_ids[at].tolist(), columns[at].tolist(), strict=True):
-            tail = self.outputs.tokens[seq_id, max(0, column + 1 - self.window) : column + 1].tolist()
+            start = max(int(self.outputs.turn_starts[seq_id]), column + 1 - self.window)  # within the current turn
+            tail = self.outputs.tokens[seq_id, start : column + 1].tolist()
             if any(s in self.tokenizer.decode(tail) for s in self.stop):
                 done.add(i)
         return done

@@ -10,6 +10,13 @@ queued groups are admitted while the token budget, the row limit (`max_num_seqs`
 When the decode rows need more pages than are free, the youngest running groups are preempted: their pages are
 freed and they go back to the front of the queue, keeping the tokens they have sampled, to be recomputed later.
 Host work that finds no page preempts the youngest group with no rows this step, or waits for one to free.
+
+Multi-turn (`multi_turn=True`): a sequence that samples a stop token ends its turn instead of finishing. It leaves
+the decode batch and is `parked`, keeping its pages and its place under the row limit, until `resume` gets the
+caller's answer: None finishes it; tokens are appended and it becomes host work again, a continuation that feeds the
+turn's last token and the appended ones (a chunked prefill from where its cache stops) and samples the next turn's
+first token, after which it is a row again. A parked sequence's group can be preempted like any other; its recompute
+then waits for its next turn's tokens.
 """
 
 from collections import deque
@@ -75,6 +82,7 @@ class Scheduler:
         outputs: Outputs,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        multi_turn: bool = False,
     ):
         self.pool = pool
         self.batch = batch
@@ -88,7 +96,12 @@ class Scheduler:
         self.host_groups: list[Group] = []  # the running groups with host work (group.pending), oldest first
         self.num_seqs = 0  # sequences of the running groups still to finish
         self.copies: list[tuple[int, int]] = []  # (src, dst) pages to copy before the next forward
+        self.multi_turn = multi_turn
+        self.parked: list[Sequence] = []  # turns ended, waiting for `resume`, in the order they ended
+        self.pool_ran_dry = False  # the last `schedule` preempted a group (the engine's cue to end parked turns)
         self.num_preemptions = 0
+        self.num_recomputed = 0  # positions computed again (after a preemption), prompts and completions
+        self.num_continued = 0  # completion positions first computed by host work: continuations after a turn
 
     @property
     def done(self) -> bool:
@@ -96,6 +109,7 @@ class Scheduler:
 
     def schedule(self) -> Step:
         step = Step()
+        self.pool_ran_dry = False
         needs = self.batch.page_needs()
         while len(needs) > self.pool.num_free:
             self._preempt(self.running[-1], step)
@@ -147,7 +161,7 @@ class Scheduler:
 
     @staticmethod
     def _has_rows(group: Group) -> bool:
-        return group.forked and group.width > len(group.pending)
+        return group.forked and group.width > len(group.pending) + group.num_parked
 
     def _reserve(self, group: Group, seq: Sequence, chunk: int) -> bool:
         """Pages for `chunk` more tokens of `seq`; for the last prompt chunk, also the fork's copies."""
@@ -171,6 +185,7 @@ class Scheduler:
             if not seq.finished:
                 self.pool.free(seq.block_table)
                 seq.block_table = []
+                seq.num_computed = max(seq.num_computed, seq.num_cached)
                 seq.num_cached = 0
         self.pool.free(group.fork_spare)
         group.fork_spare = []
@@ -183,6 +198,7 @@ class Scheduler:
         self.num_seqs -= group.width
         self.waiting.appendleft(group)
         self.num_preemptions += 1
+        self.pool_ran_dry = True
 
     def sample_targets(self, step: Step) -> Targets:
         """Where the step's sampled tokens go, in sampling order (decode rows, then host work in `step` order).
@@ -210,9 +226,14 @@ class Scheduler:
         rows = step.num_rows
         sampled: list[Sequence] = []  # host work's sampling sequences, in order
         for group, seq, chunk, samples in zip(step.groups, step.seqs, step.chunks, step.num_samples, strict=True):
-            start = seq.num_cached
-            group.prompt_tokens_computed += max(0, min(start + chunk, seq.prompt_len) - start)
-            seq.num_cached += chunk
+            start, end = seq.num_cached, seq.num_cached + chunk
+            group.prompt_tokens_computed += max(0, min(end, seq.prompt_len) - start)
+            recomputed = max(0, min(end, seq.num_computed) - start)
+            self.num_recomputed += recomputed
+            if seq is not group.prompt:
+                self.num_continued += chunk - recomputed
+            seq.num_computed = max(seq.num_computed, end)
+            seq.num_cached = end
             if seq is group.prompt and seq.num_uncached == 0:
                 children = self._fork(group)
                 if samples:
@@ -228,30 +249,70 @@ class Scheduler:
         for seq in sampled:
             seq.num_generated += 1
 
-        finished, leaving = [], []
+        leaving = []
         for index, reason in reasons.items():
             seq = self.batch.seqs[index] if index < rows else sampled[index - rows]
             if index < rows:
                 leaving.append(index)
-            seq.finish_reason = reason
-            finished.append(seq)
+            if reason == "stop" and self.multi_turn:
+                seq.parked = True
+                self.parked.append(seq)
+            else:
+                self._finish(seq, reason)
         self.batch.remove(leaving)
-        joining = [i for i, seq in enumerate(sampled) if not seq.finished]
+        joining = [i for i, seq in enumerate(sampled) if not seq.finished and not seq.parked]
         if joining:
             index = torch.tensor(joining).to(device, non_blocking=True) + rows
             self.batch.join([sampled[i] for i in joining], tokens[index])
         for group in dict.fromkeys(step.groups):
-            group.pending = [seq for seq in group.pending if seq.row is None and not seq.finished]
+            group.pending = [seq for seq in group.pending if seq.row is None and not seq.finished and not seq.parked]
             if not group.pending and group in self.host_groups:
                 self.host_groups.remove(group)
-        for seq in finished:
-            self.pool.free(seq.block_table)
-            seq.block_table = []
-            group = self.groups[seq.seq_id // self.n]
-            group.num_finished += 1
-            self.num_seqs -= 1
+
+    def resume(self, seq: Sequence, completion: list[int], tokens: list[int] | None) -> None:
+        """The caller's answer to a parked sequence whose completion so far is `completion`: None finishes it
+        ("stop"); tokens are appended and it continues, unless they would take its completion past max_new_tokens
+        (then they are dropped) or fill it (then they are kept): either way it finishes with "length"."""
+        self.parked.remove(seq)
+        seq.parked = False
+        if tokens is None:
+            self._finish(seq, "stop")
+            return
+        column, end = seq.num_generated, seq.num_generated + len(tokens)
+        max_new_tokens = self.outputs.tokens.shape[1]
+        if end > max_new_tokens:
+            self._finish(seq, "length")
+            return
+        self.outputs.append(seq.seq_id, column, tokens)
+        seq.appended.append((column, len(tokens)))
+        seq.num_generated = end
+        if end == max_new_tokens:
+            self._finish(seq, "length")
+            return
+        self.outputs.turn_starts[seq.seq_id] = end
+        group = self.groups[seq.seq_id // self.n]
+        seq.token_ids = group.prompt.token_ids + completion + tokens
+        if group.forked:  # it holds its pages; otherwise its group's fork (after a preemption) makes it host work
+            group.pending.append(seq)
+            self.host_groups = [g for g in self.running if g.pending]  # oldest first
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        group = self.groups[seq.seq_id // self.n]
+        group.num_finished += 1
+        if not group.forked and group in self.waiting:  # parked in a preempted group, whose rows were given back
             if group.done:
-                self.running.remove(group)
+                self.waiting.remove(group)
+            return
+        self.num_seqs -= 1
+        if group.done:
+            self.running.remove(group)
+            if group in self.host_groups:  # its last parked sequences finished while its prompt recomputed
+                self.host_groups.remove(group)
+            self.pool.free(group.prompt.block_table + group.fork_spare)
+            group.prompt.block_table, group.fork_spare = [], []
 
     def _fork(self, group: Group) -> list[Sequence]:
         """The prompt is cached: its pages pass to the children (created on the first fork); returns the children
@@ -268,7 +329,8 @@ class Scheduler:
         for child, table in zip(targets, tables, strict=True):
             child.block_table = table
             child.num_cached = prompt.num_cached
-        group.pending = [] if first else targets
+            child.num_computed = max(child.num_computed, prompt.num_cached)
+        group.pending = [] if first else [seq for seq in targets if not seq.parked]
         return targets if first else []
 
     def take_copies(self) -> list[tuple[int, int]]:

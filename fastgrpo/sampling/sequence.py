@@ -8,9 +8,14 @@ class Sequence:
     """A prompt, or one completion of it.
 
     A completion's sampled tokens live in the engine's output buffers (row `seq_id`), not here: while it decodes,
-    its state is a row of the decode batch (`row`), and only when it leaves the batch (preempted) are its tokens
-    copied back into `token_ids` for the recompute. `num_cached` and `num_generated` are current whenever the
-    sequence is not in the decode batch (the batch keeps them while it is).
+    its state is a row of the decode batch (`row`), and only when it leaves the batch (preempted, or resumed after
+    its turn ended) are its tokens copied back into `token_ids` for the recompute or the continuation.
+    `num_cached` and `num_generated` are current whenever the sequence is not in the decode batch (the batch keeps
+    them while it is).
+
+    Multi-turn: a completion whose turn ended is `parked` (out of the batch, its pages kept) until the caller appends
+    tokens to it (`appended` records where) or finishes it; its completion is everything after the prompt, sampled
+    and appended tokens alike.
     """
 
     token_ids: list[int]  # the prompt, then (on the host path only) the completion so far
@@ -18,9 +23,12 @@ class Sequence:
     seq_id: int = -1  # row of the output buffers; -1 for a group's prompt
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the cache
-    num_generated: int = 0  # completion tokens sampled so far
+    num_computed: int = 0  # the most tokens it ever had cached: positions below it are recomputes
+    num_generated: int = 0  # completion tokens so far (sampled and appended)
     row: int | None = None  # place in the decode batch, while decoding
     finish_reason: str | None = None
+    parked: bool = False  # its turn ended: it waits for the caller's tokens
+    appended: list[tuple[int, int]] = field(default_factory=list)  # (column, count) of each continuation's tokens
 
     @property
     def num_tokens(self) -> int:
@@ -41,7 +49,7 @@ class Group:
 
     Until `forked`, only `prompt` computes; when its last prompt token is cached the group forks: `children` share
     its full pages. After a preemption the group starts over from the prompt, and the fork hands the prompt pages to
-    the unfinished children, which then recompute their own tokens.
+    the unfinished children, which then recompute their own tokens (parked ones once their next turn is given).
     """
 
     prompt: Sequence
@@ -60,6 +68,10 @@ class Group:
 
     def active_children(self) -> list[Sequence]:
         return [seq for seq in self.children if not seq.finished]
+
+    @property
+    def num_parked(self) -> int:
+        return sum(seq.parked for seq in self.children)
 
     @property
     def width(self) -> int:

@@ -28,7 +28,7 @@ def model_path(config: TrainConfig) -> str:
     if config.model_name_or_path == BUILTIN:
         return str(DEFAULT_MODEL)
     name, path = config.model_name_or_path, Path(config.model_name_or_path).expanduser()
-    if path.suffix.lower() == GGUF_SUFFIX:
+    if path.suffix.lower() == GGUF_SUFFIX and not path.is_dir():
         if not path.is_file():
             raise FileNotFoundError(f"model_name_or_path: the GGUF file {name} does not exist")
         return str(path)
@@ -45,7 +45,7 @@ def model_path(config: TrainConfig) -> str:
 def pretrained_source(path: str) -> tuple[str, dict]:
     """What transformers' from_pretrained reads `path` (model_path's) from: (the folder or hub id, extra keywords).
     A GGUF file is its folder with gguf_file=its name."""
-    if not path.lower().endswith(GGUF_SUFFIX):
+    if Path(path).suffix.lower() != GGUF_SUFFIX or not Path(path).is_file():
         return path, {}
     missing = [name for name in GGUF_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
@@ -69,7 +69,9 @@ def _loading(name: str):
     """transformers' loading errors (several lines, often no name) as one `not_loadable` line."""
     try:
         yield
-    except OSError as e:  # missing files, no network, no such repository
+    except (OSError, ValueError) as e:  # missing files, no network, no such repository; a GGUF file it cannot read
+        if isinstance(e, ValueError) and Path(name).suffix.lower() != GGUF_SUFFIX:
+            raise
         raise not_loadable("model_name_or_path", name, e, hub_constants.HF_HUB_CACHE,
                            hub_constants.HF_HUB_OFFLINE) from e
 

@@ -588,30 +588,32 @@ def _token_ids(value, key: str, i: int, vocab_size: int | None) -> list[int]:
     return [int(token) for token in value]
 
 
-def _per_sample(output: dict, key: str, num_samples: int) -> list:
-    value = output[key]
+def _as_list(value, where: str, what: str) -> list:
+    """A list (or a tensor / array: its .tolist()); a string or a non-sequence is refused naming `where`."""
     if hasattr(value, "tolist") and not isinstance(value, list):
         value = value.tolist()
     if isinstance(value, (str, bytes)) or not isinstance(value, collections.abc.Sequence):
-        raise ValueError(f"rollout_func: {key} must be a list with one entry per sample, got {type(value).__name__}")
-    if len(value) != num_samples:
-        raise ValueError(f"rollout_func: {key} has {len(value)} entries but the step has {num_samples} samples "
-                         "(prompts x num_generations); return one per sample")
+        raise ValueError(f"rollout_func: {where} must be {what}, got {type(value).__name__}")
     return list(value)
 
 
+def _per_sample(output: dict, key: str, num_samples: int) -> list:
+    value = _as_list(output[key], key, "a list with one entry per sample")
+    if len(value) != num_samples:
+        raise ValueError(f"rollout_func: {key} has {len(value)} entries but the step has {num_samples} samples "
+                         "(prompts x num_generations); return one per sample")
+    return value
+
+
 def _per_token(value, key: str, i: int, length: int, check: Callable, what: str) -> list:
-    if hasattr(value, "tolist") and not isinstance(value, list):
-        value = value.tolist()
-    if isinstance(value, (str, bytes)) or not isinstance(value, collections.abc.Sequence):
-        raise ValueError(f"rollout_func: {key}[{i}] must be a list, got {type(value).__name__}")
+    value = _as_list(value, f"{key}[{i}]", "a list")
     if len(value) != length:
         raise ValueError(f"rollout_func: {key}[{i}] has {len(value)} values but completion_ids[{i}] has {length} "
                          "tokens; give one per completion token")
     for t, x in enumerate(value):
         if not check(x):
             raise ValueError(f"rollout_func: {key}[{i}][{t}] is {x!r}, not {what}")
-    return list(value)
+    return value
 
 
 def _is_logprob(x) -> bool:

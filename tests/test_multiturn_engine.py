@@ -12,6 +12,7 @@ exactly.
 """
 
 import os
+import random
 import time
 from dataclasses import replace
 
@@ -21,6 +22,7 @@ from helpers import assert_close, word_tokenizer
 from sampling_helpers import NUM_WORDS, prompts_for, tiny
 
 from fastgrpo.sampling import Engine, SamplingParams, Turn
+from fastgrpo.sampling.block_pool import group_pages
 from fastgrpo.sampling.engine import Completion
 from fastgrpo.sampling.scheduler import Scheduler
 
@@ -99,9 +101,10 @@ def tokens_of(outputs) -> list:
 
 
 def never_fed(c: Completion) -> int:
-    """A completion's tokens that are never fed to the model: its last one, and tool tokens that filled it."""
-    trailing = len(c.tool_mask) - len("".join(map(str, c.tool_mask)).rstrip("0"))
-    return 1 + trailing if trailing else 1
+    """A completion's tokens that are never fed to the model: its last sampled one and the tool tokens after it
+    (those that filled it to max_new_tokens)."""
+    last_sampled = max(i for i, sampled in enumerate(c.tool_mask) if sampled)
+    return len(c.tool_mask) - last_sampled
 
 
 def assert_each_position_once(engine: Engine, prompts, outputs) -> None:
@@ -257,6 +260,23 @@ def test_a_preempted_group_whose_parked_sequences_finish_leaves_the_queue(model,
     assert tokens_of(got) == tokens_of(want)
     assert any(done_waiting) and engine.stats.num_preemptions > 0
     assert_each_position_once(engine, prompts, got)
+
+
+def test_random_schedules_give_the_same_turns(model):
+    """Page sizes, pools down to one group's pages, row and token limits down to 1, and turn_batch drawn at random:
+    the same tokens and masks as a roomy engine, every position computed once bar recomputes, no page leaked."""
+    rng = random.Random(0)
+    for trial in range(5):
+        block_size, n, max_new_tokens = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 3]), rng.choice([10, 20])
+        prompts = prompts_for(max(block_size, 2), seed=trial)[1:5]
+        params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, stop_token_ids=TURN_STOPS, seed=trial)
+        want = Engine(model, block_size=block_size).generate(prompts, n=n, params=params, turn_end=tool)
+        least = max(group_pages(len(p), n, max_new_tokens, block_size) for p in prompts)
+        engine = Engine(model, block_size=block_size, num_blocks=least + rng.choice([0, 1, 3]),
+                        max_num_seqs=rng.choice([1, 2, 64]), max_num_batched_tokens=rng.choice([1, 4, 64]))
+        got = engine.generate(prompts, n=n, params=params, turn_end=tool, turn_batch=rng.choice([1, 2, 10**6]))
+        assert tokens_of(got) == tokens_of(want), (trial, engine.config)
+        assert_each_position_once(engine, prompts, got)
 
 
 def test_stop_strings_end_turns_within_the_turn(model):

@@ -18,7 +18,9 @@ of the others: nothing else can run, or the pool ran out of pages (a group was p
 With the default `turn_batch=1`, that is after every step in which a turn ended, with all the turns that ended in
 it: a decode step costs about the same whatever its number of rows (its weights are read once), so a sequence that
 waits for the turns of others, or a batch left to drain until every turn has ended (what a turn-synchronous loop
-like TRL's does), wastes steps, while resuming at once keeps the batch full. A larger `turn_batch` gathers more
+like TRL's does), wastes steps, while resuming at once keeps the batch full (3 turns of 8 prompts x G = 4 on a
+2-core CPU: 224 steps, 1.58 s, against 325 steps, 1.85 s turn-synchronous; the benchmark in
+tests/test_multiturn_engine.py). A larger `turn_batch` gathers more
 turns per call, for tools that are slow to start, each call paying their latency once; `turn_batch` at the number
 of sequences synchronises the turns like TRL's loop, still without a re-prefill. Either way the tokens are the same:
 each sequence's randomness is counter-based (sampler.py), not tied to the schedule.

@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif kind is dict:
             kwargs.update(type=_none_or(_json_object), metavar="JSON")
+        elif typing.get_origin(kind) is typing.Union:  # str | dict: a JSON object, or the text as it is
+            kwargs.update(type=_none_or(lambda text: _json_object(text) if text.lstrip().startswith("{") else text),
+                          metavar="STR|JSON")
         elif typing.get_origin(kind) is list:
             (item,) = typing.get_args(kind)
             kwargs.update(nargs="+", type=item, metavar=item.__name__.upper())

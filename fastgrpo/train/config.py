@@ -115,6 +115,27 @@ class TrainConfig:
     scale_rewards: str = option("group", "divide advantages by the reward std of the group, the batch, or none",
                                 choices=("group", "batch", "none"))
     mask_truncated_completions: bool = option(False, "leave completions that hit max_completion_length out of the loss")
+    # -- agents: tools, environments, rollout_func (docs/agents.md) --
+    tools: list[str] = option(
+        [], "tool functions, 'module:function' or 'file.py:function' (def or async def, a type hint on every argument "
+            "and a Google-style docstring): shown to the model through the chat template, called when it writes a "
+            "tool call, their results appended to the completion and left out of the loss")
+    environment_factory: str | dict | None = option(
+        None, "'module:Class' (or 'file.py:Class'): one instance per rollout, reset(**row) before it (a returned "
+              "string is appended to the last user message), its public methods the rollout's tools, an optional "
+              "get_reward() one more reward; or (YAML, or JSON here) {name: 'module:Class'}, the data's environment "
+              "column picking one per row. Without dataset_name the environment writes the prompts")
+    rollout_func: str | None = option(
+        None, "'module:function' called as rollout_func(prompts, trainer) in place of fastgrpo's sampling; returns "
+              "{prompt_ids, completion_ids, logprobs, env_mask?, ...}: one entry per sample, the other fields go to "
+              "the reward functions (TRL's rollout_func)")
+    max_tool_calling_iterations: int | None = option(
+        None, "tool-calling turns per rollout at most; None: until a turn calls no tool or max_completion_length")
+    tool_timeout: float | None = option(
+        60.0, "seconds a tool call may take; one past it is reported to the model as an error and counted a failure")
+    chat_template_path: str | None = option(
+        None, "a Jinja file whose chat template replaces the tokenizer's (tools need a prefix-preserving one: TRL "
+              "ships them, trl/chat_templates/*_training.jinja)")
     # -- loss --
     loss_type: str = option("dapo", "normalisation of the token losses", choices=tuple(LOSS_TYPES))
     beta: float = option(0.0, "k3 KL coefficient; 0 loads no reference model")
@@ -230,16 +251,21 @@ class TrainConfig:
                 raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
         if self.model_name_or_path is None:
             raise ValueError(f"model_name_or_path is required (a hub id, a local path or '{BUILTIN}')")
-        if self.dataset_name is None:
-            raise ValueError(f"dataset_name is required (a file, a hub dataset or '{BUILTIN}')")
+        if self.dataset_name is None and not isinstance(self.environment_factory, str):
+            raise ValueError(f"dataset_name is required (a file, a hub dataset or '{BUILTIN}')" + (
+                "; with several environments (environment_factory a dict) the data's environment column picks one "
+                "per row" if self.environment_factory is not None else
+                "; only an environment_factory can do without: its reset() writes the prompts"))
+        self._check_agents()
         if self.load_in_4bit and not self.use_peft:
             raise ValueError("load_in_4bit needs use_peft: a 4-bit base is frozen, so train LoRA adapters on it "
                              "(--use-peft)")
         if self.offload_activations and not self.gradient_checkpointing:
             raise ValueError("offload_activations needs gradient_checkpointing: it offloads the checkpointed inputs "
                              "of the decoder layers")
-        if not self.reward_funcs:
-            raise ValueError("reward_funcs must name at least one reward function")
+        if not self.reward_funcs and self.environment_factory is None:
+            raise ValueError("reward_funcs must name at least one reward function (or an environment_factory's "
+                             "get_reward() scores the rollouts)")
         for name in self.reward_funcs:
             if not isinstance(name, str) or not name.strip():
                 raise ValueError(f"reward_funcs: {name!r} is not a built-in {REWARD_FUNCS}, 'module:function' or a "
@@ -266,6 +292,20 @@ class TrainConfig:
         if self.resume and self.overwrite_output_dir:
             raise ValueError("resume and overwrite_output_dir contradict each other; pass one")
         self.loss_options()  # the loss options' checks
+
+    def _check_agents(self) -> None:
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            raise ValueError(f"max_tool_calling_iterations must be None or >= 0, got {self.max_tool_calling_iterations}")
+        if self.tool_timeout is not None and not self.tool_timeout > 0:
+            raise ValueError(f"tool_timeout must be None or > 0 seconds, got {self.tool_timeout!r}")
+        if self.rollout_func is not None and (self.tools or self.environment_factory is not None):
+            raise ValueError("rollout_func returns whole rollouts, so tools and environment_factory (fastgrpo's own "
+                             "tool loop) do not apply with it; run the tools inside rollout_func, or drop it")
+        if isinstance(self.environment_factory, dict):
+            for name, spec in self.environment_factory.items():
+                if not isinstance(name, str) or not isinstance(spec, str):
+                    raise ValueError(f"environment_factory: {{{name!r}: {spec!r}}} must map an environment name "
+                                     "(str) to 'module:Class'")
 
     def _check_importance_sampling(self) -> None:
         """TRL's checks of its vllm_importance_sampling_clip_min / _max, plus: the bounds are ratios, so >= 0."""
@@ -368,9 +408,10 @@ def field_types() -> dict[str, tuple[type, bool]]:
     (list[str], True)."""
     out = {}
     for name, annotation in typing.get_type_hints(TrainConfig).items():
-        optional = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-        (kind,) = [a for a in typing.get_args(annotation) if a is not type(None)] if optional else [annotation]
-        out[name] = kind, optional
+        union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        kinds = [a for a in typing.get_args(annotation) if a is not type(None)] if union else [annotation]
+        optional = union and type(None) in typing.get_args(annotation)
+        out[name] = (kinds[0] if len(kinds) == 1 else typing.Union[tuple(kinds)]), optional
     return out
 
 
@@ -416,11 +457,15 @@ def _as_float(value):
 
 
 def _is(value, kind: type) -> bool:
-    """isinstance, except that bools are not ints and ints are floats."""
+    """isinstance, except that bools are not ints and ints are floats; `kind` may be a union (str | dict)."""
+    if typing.get_origin(kind) is typing.Union:
+        return any(_is(value, k) for k in typing.get_args(kind))
     if isinstance(value, bool):
         return kind is bool
     return isinstance(value, (float, int)) if kind is float else isinstance(value, kind)
 
 
 def _describe(annotation) -> str:
+    if typing.get_origin(annotation) is typing.Union:
+        return " | ".join(map(_describe, typing.get_args(annotation)))
     return str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")

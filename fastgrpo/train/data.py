@@ -16,6 +16,7 @@ be a path (starting with '.', '/' or '~') and does not exist is refused without 
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from fastgrpo.train.loading import max_positions, not_loadable
 from fastgrpo.train.rewards import is_conversational
 
 FILE_FORMATS = (".jsonl", ".json", ".parquet")
+# A row's prompt where an environment writes it (no dataset, or a row without a prompt): reset() appends its text.
+ENVIRONMENT_PROMPT = ({"role": "user", "content": ""},)
 EVAL_SUBSET_SEED = 0  # the held-out subset is the same for every run, whatever the training seed
 
 
@@ -119,8 +122,15 @@ def _read_hub(config: TrainConfig, split_name: str) -> Rows:
 
 
 def load_rows(config: TrainConfig, split: str) -> Rows | None:
-    """The rows of the train split (split="train") or of the held-out one (split="test"; None if there is none)."""
+    """The rows of the train split (split="train") or of the held-out one (split="test"; None if there is none).
+    Without dataset_name (an environment writes the prompts, TRL's rule) a round's worth of rows with an empty user
+    message, cycled, and no held-out split."""
     name = config.dataset_name
+    if name is None:
+        if split != "train":
+            return None
+        rows = [{config.prompt_column: list(ENVIRONMENT_PROMPT)} for _ in range(config.prompts_per_step)]
+        return Rows(rows, "the environment's prompts (no dataset_name)")
     split_name = config.dataset_train_split if split == "train" else config.dataset_test_split
     if split_name is None:
         return None
@@ -169,12 +179,15 @@ def prompt_messages(prompt: str | list[dict], config: TrainConfig) -> list[dict]
     return messages
 
 
-def prompt_token_ids(tokenizer, prompt: str | list[dict], config: TrainConfig) -> list[int]:
-    """The chat template's generation prompt when the tokenizer has one, else the text itself (system prompt
-    first); the last max_prompt_length tokens of it."""
+def prompt_token_ids(tokenizer, prompt: str | list[dict], config: TrainConfig, tools: list | None = None
+                     ) -> list[int]:
+    """The chat template's generation prompt when the tokenizer has one (with the `tools` the model may call: the
+    functions, or their JSON schemas), else the text itself (system prompt first); the last max_prompt_length tokens
+    of it."""
     if tokenizer.chat_template:
         formatted = tokenizer.apply_chat_template(prompt_messages(prompt, config), add_generation_prompt=True,
-                                                  tokenize=False, **(config.chat_template_kwargs or {}))
+                                                  tokenize=False, tools=tools or None,  # (Llama renders tools=[])
+                                                  **(config.chat_template_kwargs or {}))
         ids = tokenizer(formatted, add_special_tokens=False).input_ids
     else:
         ids = tokenizer(f"{config.system_prompt}\n\n{prompt}" if config.system_prompt else prompt).input_ids
@@ -205,16 +218,19 @@ def _check_prompt(prompt, tokenizer, config: TrainConfig, where: str, first_kind
                          "row; give every row the same kind of prompt (all strings, or all lists of messages)")
 
 
-def prepare(rows: Rows, tokenizer, config: TrainConfig, what: str, answers: str | None = "auto") -> Prompts:
-    """Check and tokenize a split's rows, with `answers` the answer column ("auto": answer_column(config, rows));
-    every error names the row (file and line) and the option to change."""
+def prepare(rows: Rows, tokenizer, config: TrainConfig, what: str, answers: str | None = "auto",
+            tools: Callable[[dict], list] | None = None) -> Prompts:
+    """Check and tokenize a split's rows, with `answers` the answer column ("auto": answer_column(config, rows)) and
+    `tools(row)` the tools a row's prompt shows the model; every error names the row (file and line) and the option
+    to change. With an environment_factory a row may lack the prompt (its environment writes it)."""
     if not rows:
         raise ValueError(f"the {what} split ({rows.source}) is empty")
     if answers == "auto":
         answers = answer_column(config, rows)
     columns = set(rows[0])
+    environment = config.environment_factory is not None
     for column, option in ((config.prompt_column, "prompt_column"), (answers, "answer_column")):
-        if column is not None and column not in columns:
+        if column is not None and column not in columns and not (environment and option == "prompt_column"):
             raise ValueError(f"{option}: column {column!r} is not in the {what} data of {rows.source}; "
                              f"its columns are {sorted(columns)}")
     window = max_positions(config)
@@ -222,15 +238,18 @@ def prepare(rows: Rows, tokenizer, config: TrainConfig, what: str, answers: str 
         raise ValueError(f"max_completion_length={config.max_completion_length} leaves no room for a prompt in the "
                          f"context window of {config.model_name_or_path} ({window} positions); lower it below {window}")
     prompts, token_ids, out = [], [], []
-    first_kind = "messages" if isinstance(rows[0].get(config.prompt_column), list) else "text"
+    first = rows[0].get(config.prompt_column, list(ENVIRONMENT_PROMPT) if environment else None)
+    first_kind = "messages" if isinstance(first, list) else "text"
     for i, row in enumerate(rows):
         prompt = row.get(config.prompt_column)
+        if environment and config.prompt_column not in row:  # (the row, reset's keywords, stays as it is)
+            prompt = list(ENVIRONMENT_PROMPT)
         _check_prompt(prompt, tokenizer, config, rows.where(i), first_kind)
         row = dict(row)
         if answers is not None:
             row[answers] = _answer(row.get(answers), answers, config, rows.where(i))
         try:
-            ids = prompt_token_ids(tokenizer, prompt, config)
+            ids = prompt_token_ids(tokenizer, prompt, config, None if tools is None else tools(row))
         except (jinja2.TemplateError, TypeError, KeyError) as e:  # the template refused the messages (a role it lacks)
             message = " ".join(str(e).split())[:300]
             raise ValueError(f"{where_prompt(rows, i, config)}: the chat template of {config.model_name_or_path} "

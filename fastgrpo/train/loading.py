@@ -13,7 +13,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from fastgrpo.loss import head_transform
 from fastgrpo.sampling.engine import context_window
-from fastgrpo.train.config import BUILTIN, TrainConfig, is_local_path, train_dtype
+from fastgrpo.train.config import BUILTIN, TrainConfig, is_local_path, read_utf8, train_dtype
 from fastgrpo.train.quantization import bitsandbytes, four_bit, keep_trainable
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
@@ -93,12 +93,18 @@ GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def load_tokenizer(config: TrainConfig):
-    """The policy's tokenizer (tokenizer_from), with the EOS token as padding when it has none."""
+    """The policy's tokenizer (tokenizer_from), with the EOS token as padding when it has none and the chat template
+    of chat_template_path when one is given."""
     path = model_path(config)
     with _loading(path):
         tokenizer = tokenizer_from(path, config.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if config.chat_template_path is not None:
+        template = Path(config.chat_template_path).expanduser()
+        if not template.is_file():
+            raise FileNotFoundError(f"chat_template_path: {template} is not a file (a Jinja chat template)")
+        tokenizer.chat_template = read_utf8(template, "chat_template_path")
     return tokenizer
 
 

@@ -110,8 +110,13 @@ def _math_verify(answer: str, completion: str) -> bool:
 
 
 def completion_text(completion) -> str:
-    """A completion's text: the string itself, or the content of a conversational completion's last message."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
+    """A completion's text: the string itself, or the content of a conversational completion's last assistant
+    message (with tools, the turn after the last tool result; a tool's own result is never read as the answer)."""
+    if isinstance(completion, str):
+        return completion
+    said = [m for m in completion if m.get("role") == "assistant"]
+    content = said[-1]["content"] if said else ""
+    return content if isinstance(content, str) else ""
 
 
 def accuracy(prompts, completions, answer, **columns) -> list[float]:
@@ -265,7 +270,9 @@ class Rewards:
     def __init__(self, names: list[str], weights: list[float] | None, max_completion_length: int,
                  answer_column: str | None = "answer", device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
-                 chat_template_kwargs: dict | None = None):
+                 chat_template_kwargs: dict | None = None, extra_functions: list[Callable] = ()):
+        """`extra_functions`: more reward functions, weight 1 each, named by their __name__ (an environment's
+        get_reward, as TRL adds it)."""
         builtins = {"accuracy": _column_accuracy(answer_column), "format": format,
                     "length": length_penalty(max_completion_length)}
         if "accuracy" in names and answer_column is None:
@@ -275,8 +282,11 @@ class Rewards:
         self.functions = [builtins[n] if n in builtins else load_function(n) if ":" in n
                           else RewardModel(n, torch.device(device), dtype, trust_remote_code, chat_template_kwargs)
                           for n in names]
-        self.user_functions = any(n not in builtins for n in names)
-        self.weights = torch.tensor(weights if weights is not None else [1.0] * len(names), dtype=torch.float32)
+        self.user_functions = any(n not in builtins for n in names) or bool(extra_functions)
+        weights = list(weights) if weights is not None else [1.0] * len(names)
+        self.names += [f.__name__ for f in extra_functions]
+        self.functions += list(extra_functions)
+        self.weights = torch.tensor(weights + [1.0] * len(extra_functions), dtype=torch.float32)
         # TRL's metric names: a function's __name__, a reward model's last path part
         self.metric_names = [getattr(f, "__name__", n) for f, n in zip(self.functions, self.names, strict=True)]
         self.logged_metrics, self.logged_columns = {}, {}

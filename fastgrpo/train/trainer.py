@@ -24,6 +24,7 @@ entropy bonus (entropy_coef) is each micro-batch's mean token entropy divided by
 loss type. The head scores logits as the model's forward makes them (its logit scale or softcap, model.check_head).
 """
 
+import copy
 import dataclasses
 import datetime
 import gc
@@ -45,17 +46,19 @@ from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES, LossConfig
 from fastgrpo.memory import peak_memory, reset_peak_memory
 from fastgrpo.models import find_hf_model, stop_token_ids
 from fastgrpo.reference import RATIO_METRICS
-from fastgrpo.sampling import Engine, SamplingParams
+from fastgrpo.sampling import Completion, Engine, SamplingParams
 from fastgrpo.sizes import GiB, parse_size
 from fastgrpo.train import checkpoint, distributed, run_dir
 from fastgrpo.train.config import TrainConfig, flag, train_dtype
-from fastgrpo.train.data import PromptOrder, answer_column, eval_subset, load_rows, prepare
+from fastgrpo.train.agent import Agent
+from fastgrpo.train.data import PromptOrder, Prompts, answer_column, eval_subset, load_rows, prepare
 from fastgrpo.train.loading import (
     PACKED_ATTENTION,
     check_head,
     load_policy,
     load_reference,
     load_tokenizer,
+    max_positions,
     model_config,
 )
 from fastgrpo.train.logs import (
@@ -81,15 +84,16 @@ from fastgrpo.train.plan import (
 )
 from fastgrpo.train.policy_loss import PolicyLoss
 from fastgrpo.train.quantization import bitsandbytes
-from fastgrpo.train.rewards import Rewards, accuracy
+from fastgrpo.train.rewards import RewardError, Rewards, accuracy, completion_text, load_function
 from fastgrpo.train.rollout import Rollout, group_advantages, micro_batch, micro_batches, sampler_importance_weights
 from fastgrpo.train.run_dir import RunDir
 from fastgrpo.train.schedule import lr_scheduler
+from fastgrpo.train.tools import ToolCounts, check_rollout
 
 PLAN_FILE = "memory_plan.txt"
 # Dataset columns that do not reach reward functions as keywords (TRL's, and the keywords the trainer passes).
 RESERVED_REWARD_ARGS = ("prompt", "completion", "prompts", "completions", "completion_ids", "trainer_state",
-                        "log_extra", "log_metric")
+                        "log_extra", "log_metric", "environments")
 
 
 # What a checkpoint holds and a resumed run therefore cannot change.
@@ -97,10 +101,23 @@ RESUME_FIXED = ("model_name_or_path", "use_peft", "lora_r", "lora_alpha", "lora_
                 "optim", "bf16")
 
 
+class Sampled(NamedTuple):
+    """One process's samples of a round, before scoring."""
+
+    groups: list  # [groups][G] Completions
+    prompt_ids: list  # [n] per sample
+    prompts: list  # [n] per sample, as reward functions get them
+    completions: list  # [n] per sample, as reward functions get them: text or messages
+    columns: dict  # more reward-function keywords, one value per sample (environments, rollout_func's fields)
+    tool_counts: ToolCounts
+
+
 class RankRound(NamedTuple):
     """What one process sampled and scored of a round, gathered to every process in group order."""
 
     groups: list  # [groups of this rank][G] Completions
+    prompt_ids: list  # [n] per sample: its prompt's tokens (an environment's reset or a rollout_func may change them)
+    tool_counts: ToolCounts  # tool calls made and failed (none without tools)
     per_func: torch.Tensor  # [n, F] rewards per function
     rewards: torch.Tensor  # [n] weighted sums
     preemptions: int
@@ -239,17 +256,31 @@ class Trainer:
         config = self.config
         torch.manual_seed(config.seed)  # LoRA's initial weights (the same on every rank)
         self.tokenizer = load_tokenizer(config)
+        self.agent = None  # tools and environments (agent.py)
+        if config.tools or config.environment_factory is not None:
+            self.agent = Agent(config, self.tokenizer, max_positions(config))
+        self.rollout_func = None
+        if config.rollout_func is not None:
+            try:
+                self.rollout_func = load_function(config.rollout_func)
+            except ValueError as e:
+                raise ValueError(f"rollout_func: {str(e).removeprefix('reward function ')}") from None
+        shown = None if self.agent is None else self.agent.tools_for  # the tools each prompt shows the model
         train_rows = load_rows(config, "train")
         answers = answer_column(config, train_rows)
-        self.train_prompts = prepare(train_rows, self.tokenizer, config, "train", answers)
+        self.train_prompts = prepare(train_rows, self.tokenizer, config, "train", answers, shown)
         eval_rows = load_rows(config, "test") if answers is not None else None  # pass@1 needs reference answers
         self.eval_prompts = None if eval_rows is None else eval_subset(
-            prepare(eval_rows, self.tokenizer, config, "held-out", answers), config.eval_num_samples)
+            prepare(eval_rows, self.tokenizer, config, "held-out", answers, shown), config.eval_num_samples)
         self._plan_memory()  # before anything that depends on the micro-batch, which --auto-fit may change
         config = self.config
+        extra = [] if self.agent is None else self.agent.reward_functions
+        if not config.reward_funcs and not extra:
+            raise ValueError(f"reward_funcs is empty and no environment of environment_factory "
+                             f"{config.environment_factory!r} has a get_reward method: nothing scores the rollouts")
         self.rewards = Rewards(config.reward_funcs, config.reward_weights, config.max_completion_length, answers,
                                self.device, train_dtype(config, self.device.type), config.trust_remote_code,
-                               config.chat_template_kwargs)
+                               config.chat_template_kwargs, extra)
 
         sharded = resume_from is not None and checkpoint.is_sharded(resume_from)
         self.model = load_policy(config, self.device, None if sharded else resume_from)
@@ -332,6 +363,8 @@ class Trainer:
         finally:
             if unfreeze:
                 gc.unfreeze()
+            if self.agent is not None:
+                self.agent.close()
             self.folder.release()
 
     def _train(self) -> dict:
@@ -378,14 +411,56 @@ class Trainer:
                 stack.enter_context(hook(name))
             yield
 
-    def _generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list:
-        """This rank's slice of the prompt groups, sampled with each group's own random stream (its index in
-        `prompts`), so that the round is the same for any number of processes: [groups of this rank][n]."""
-        share = self.world.share(len(prompts))
+    def _sample(self, data: Prompts, picked: list[int], n: int, params: SamplingParams) -> Sampled | None:
+        """This rank's slice of the prompt groups `picked` (indices into `data`), n completions each, sampled with
+        each group's own random stream (its index in `picked`), so that the round is the same for any number of
+        processes; None for a rank without a group. Through the engine, with the agent's tool loop when there are
+        tools or environments, or through the user's rollout_func."""
+        share = self.world.share(len(picked))
         with distributed.unsharded(self.policy):  # FSDP2's all-gathers: every rank joins, even one without a group
             if not share:  # more processes than prompts (a small held-out set)
-                return []
-            return self.engine.generate([prompts[i] for i in share], n=n, params=params, group_ids=list(share))
+                return None
+            mine = [picked[i] for i in share]
+            if self.rollout_func is not None:
+                return self._call_rollout_func(data, mine, n)
+            if self.agent is not None:
+                done = self.agent.generate(self.engine, [data.rows[i] for i in mine], [data.prompts[i] for i in mine],
+                                           [data.token_ids[i] for i in mine], list(share), n, params)
+                columns = {} if done.environments is None else {"environments": done.environments}
+                return Sampled(done.groups, done.prompt_ids, done.prompts, done.messages, columns, done.counts)
+            groups = self.engine.generate([data.token_ids[i] for i in mine], n=n, params=params,
+                                          group_ids=list(share))
+        samples = [i for i in mine for _ in range(n)]
+        texts = self.tokenizer.batch_decode([c.token_ids for group in groups for c in group], skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if data.conversational else texts
+        return Sampled(groups, [data.token_ids[i] for i in samples], [data.prompts[i] for i in samples], completions,
+                       {}, ToolCounts())
+
+    def _call_rollout_func(self, data: Prompts, mine: list[int], n: int) -> Sampled:
+        """TRL's rollout_func(prompts, trainer) for the samples of prompts `mine` (n each, prompt-major); its
+        output checked (tools.check_rollout). Its env_mask is the tool mask; a completion that does not end in a
+        stop or pad token was cut ("length"), as TRL reads it; its other fields go to the reward functions."""
+        samples = [i for i in mine for _ in range(n)]
+        prompts = [copy.deepcopy(data.prompts[i]) for i in samples]
+        try:
+            output = self.rollout_func(prompts, self)
+        except Exception as e:
+            raise RewardError(f"rollout_func {self.config.rollout_func!r} raised {type(e).__name__}: {e}") from e
+        output = check_rollout(output, len(samples), len(self.tokenizer))
+        ids, logprobs = output["completion_ids"], output["logprobs"]
+        if logprobs is None and self.config.importance_sampling_correction:
+            raise ValueError("rollout_func returned logprobs None, but importance_sampling_correction needs the "
+                             "sampler's logprob of every completion token; return them, or turn the correction off")
+        ends = {*self.stop_token_ids, self.tokenizer.pad_token_id}
+        masks = output.get("env_mask") or [[1] * len(c) for c in ids]
+        completions = [Completion(c, [math.nan] * len(c) if logprobs is None else logprobs[k],
+                                  "stop" if c[-1] in ends else "length", masks[k]) for k, c in enumerate(ids)]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        columns = {key: value if isinstance(value, list) else [value] * len(samples) for key, value in output.items()
+                   if key not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
+        return Sampled([completions[g * n : (g + 1) * n] for g in range(len(mine))], output["prompt_ids"], prompts,
+                       [[{"role": "assistant", "content": t}] for t in texts] if data.conversational else texts,
+                       columns, ToolCounts())
 
     def train_step(self) -> dict:
         config, G = self.config, self.config.num_generations
@@ -400,11 +475,13 @@ class Trainer:
         mine = None
         with self.world.together("sampling and rewards"):
             with self._phase("sampling"):
-                outputs = self._generate([self.train_prompts.token_ids[i] for i in picked], G, params)
+                sampled = self._sample(self.train_prompts, picked, G, params)
             timer.lap("sampling")
-            if outputs:  # a process gets no group when a round has fewer groups than processes
-                per_func, rewards = self._score([picked[i] for i in self.world.share(len(picked))], outputs)
-                mine = RankRound(outputs, per_func, rewards, self.engine.stats.num_preemptions,
+            if sampled is not None:  # a process gets no group when a round has fewer groups than processes
+                samples = [picked[i] for i in self.world.share(len(picked)) for _ in range(G)]
+                per_func, rewards = self._score(samples, sampled)
+                mine = RankRound(sampled.groups, sampled.prompt_ids, sampled.tool_counts, per_func, rewards,
+                                 self.engine.stats.num_preemptions if self.rollout_func is None else 0,
                                  self.rewards.logged_metrics, self.rewards.logged_columns)
         parts = [part for part in self.world.gather(mine) if part is not None]  # in group order
         completions = [c for part in parts for group in part.groups for c in group]  # [P*G], prompt-major
@@ -425,9 +502,10 @@ class Trainer:
         drop = config.mask_truncated_completions
         cut = truncated.tolist()
         rollout = Rollout(
-            prompt_ids=[self.train_prompts.token_ids[i] for i in samples], completion_ids=completion_ids,
-            truncated=truncated, advantages=advantages,
-            loss_mask=[[0 if drop and cut[i] else 1] * len(ids) for i, ids in enumerate(completion_ids)],
+            prompt_ids=[ids for part in parts for ids in part.prompt_ids], completion_ids=completion_ids,
+            truncated=truncated, advantages=advantages,  # tool results (tool_mask 0) stay out of the loss
+            loss_mask=[[0] * len(c.token_ids) if drop and cut[i] else list(c.tool_mask)
+                       for i, c in enumerate(completions)],
         )  # fmt: skip
 
         # 3. no-grad logprobs
@@ -451,10 +529,15 @@ class Trainer:
             stats = self._update(rollout)
         timer.lap("train")
 
-        lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.float32)
+        # As TRL: a completion's length counts the tokens the model wrote (tool_mask 1), not the tools' results.
+        lengths = torch.tensor([sum(c.tool_mask) for c in completions], dtype=torch.float32)
         self.num_tokens += int(lengths.sum()) + sum(len(p) for p in rollout.prompt_ids)
+        tool_metrics = {}
+        if self.agent is not None:
+            tool_metrics = sum((part.tool_counts for part in parts), ToolCounts()).metrics(len(completions))
         return {
             **stats,
+            **tool_metrics,
             **reward_metrics(self.rewards, per_func, rewards, flat),
             **{name: sum(values) / len(values) for name, values in logged.items()},
             **length_metrics(lengths, truncated),
@@ -467,19 +550,17 @@ class Trainer:
             "peak_memory_gib": max(self.world.gather(peak_memory(self.device) / GiB)),  # the fullest process's
         }
 
-    def _score(self, prompts: list[int], outputs: list[list]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rewards of the completions `outputs` of the train prompts `prompts` (indices): (per function
-        [n, F], weighted total [n]). Reward functions get TRL's arguments: completions in the prompts' form (one
-        assistant message each for conversational data), the dataset's columns, the completions' token ids and a
-        TrainerState."""
-        G, data = self.config.num_generations, self.train_prompts
-        samples = [i for i in prompts for _ in range(G)]
-        completion_ids = [c.token_ids for group in outputs for c in group]
-        completions = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        if data.conversational:
-            completions = [[{"role": "assistant", "content": text}] for text in completions]
+    def _score(self, samples: list[int], sampled: Sampled) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rewards of this rank's completions (`samples`: their train prompts' indices): (per function [n, F],
+        weighted total [n]). Reward functions get TRL's arguments: the prompts (after an environment's reset),
+        the completions (text, one assistant message, or with tools the assistant and tool messages), the dataset's
+        columns, the completions' token ids, a TrainerState, and the environments (environments=) or a
+        rollout_func's extra fields."""
+        data = self.train_prompts
+        completion_ids = [c.token_ids for group in sampled.groups for c in group]
         columns = {k: [data.rows[i][k] for i in samples] for k in data.rows[0]
                    if k not in RESERVED_REWARD_ARGS and k != self.config.prompt_column}
+        columns |= sampled.columns
         per_round = self.optimizer_steps_per_round  # TrainerState counts optimizer steps, as TRL's does
         state = None
         if self.rewards.user_functions:  # the built-in rewards read no trainer_state (and it imports peft)
@@ -487,7 +568,7 @@ class Trainer:
 
             state = TrainerState(global_step=(self.step - 1) * per_round, max_steps=self.config.max_steps * per_round,
                                  epoch=self.order.epoch + self.order.index / len(data.rows))
-        return self.rewards([data.prompts[i] for i in samples], completions, completion_ids, columns, state)
+        return self.rewards(sampled.prompts, sampled.completions, completion_ids, columns, state)
 
     def _log_completions(self, samples: list[int], completion_ids: list[list[int]], per_func: torch.Tensor,
                          advantages: torch.Tensor, parts: list[RankRound]) -> None:
@@ -603,15 +684,15 @@ class Trainer:
         params = SamplingParams(temperature=config.eval_temperature, top_p=config.top_p, top_k=config.top_k,
                                 max_new_tokens=config.max_completion_length, stop_token_ids=self.stop_token_ids,
                                 seed=seed_for("eval", config.seed))
+        data = self.eval_prompts
         with self.world.together("evaluation"):
-            outputs = self._generate(self.eval_prompts.token_ids, 1, params)
-            share = self.world.share(len(self.eval_prompts.rows))
+            sampled = self._sample(data, list(range(len(data.rows))), 1, params)
             correct = 0.0
-            if outputs:  # (batch_decode of no sequences is not an empty list)
-                texts = self.tokenizer.batch_decode([group[0].token_ids for group in outputs],
-                                                    skip_special_tokens=True)
-                answers = [self.eval_prompts.rows[i][self.eval_prompts.answer_column] for i in share]
-                correct = sum(accuracy([self.eval_prompts.prompts[i] for i in share], texts, answers))
+            if sampled is not None:
+                share = self.world.share(len(data.rows))
+                answers = [data.rows[i][data.answer_column] for i in share]
+                texts = [completion_text(c) for c in sampled.completions]  # with tools: the last assistant turn
+                correct = sum(accuracy(sampled.prompts, texts, answers))
         return sum(self.world.gather(correct)) / len(self.eval_prompts.rows)
 
     def save(self) -> Path:

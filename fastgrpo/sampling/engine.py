@@ -16,6 +16,7 @@ appends the tokens `f` returns for it as a prefill continuation (turns.py): no t
 
 import os
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -34,6 +35,9 @@ from fastgrpo.sampling.sampler import sample
 from fastgrpo.sampling.scheduler import Scheduler, Step
 from fastgrpo.sampling.sequence import Group, Sequence
 from fastgrpo.sampling.turns import TurnEnd, end_turns, wants_turns
+
+# group_done(group index, its n completions) -> how many more groups may start, or None to stop the call
+GroupDone = Callable[[int, list["Completion"]], int | None]
 
 # Where model configs keep their context window: most architectures (GPT-2's n_positions is mapped to it too), then
 # configs that name it otherwise (MPT, ChatGLM / Qwen-1).
@@ -75,6 +79,7 @@ class GenerateStats:
     num_recomputed_tokens: int = 0
     # Multi-turn (turn_end): turns handed to it, its calls, the tokens it appended (kept, not dropped), and the
     # positions continuations computed (first time only): each resumed turn's last token and the appended tokens.
+    num_groups_finished: int = 0  # (all of them, unless group_done stopped the call or admit held some back)
     num_turns: int = 0
     num_turn_end_calls: int = 0
     num_appended_tokens: int = 0
@@ -184,8 +189,9 @@ class Engine:
     def generate(
         self, prompt_token_ids: list[list[int]], n: int = 1, params: SamplingParams | None = None,
         group_ids: list[int] | None = None, *, first_columns: list[int] | None = None,
-        turn_end: TurnEnd | None = None, turn_batch: int = 1,
-    ) -> list[list[Completion]]:
+        turn_end: TurnEnd | None = None, turn_batch: int = 1, admit: int | None = None,
+        group_done: GroupDone | None = None,
+    ) -> list[list[Completion] | None]:
         """G = n completions of each prompt. With a seed, completion j of prompt i draws its k-th token from random
         stream group_ids[i] * n + j (default group_ids: 0, 1, ...) at column first_columns[i] + k (default 0 + k):
         give each prompt group its place in a larger batch and a call over any slice of that batch (another
@@ -197,7 +203,13 @@ class Engine:
         turn and parks, its pages kept, instead of finishing; `turn_end(turns)` gets the parked ones (a list of
         turns.Turn) and returns, per turn, the token ids to append (fed as a continuation, then decoding resumes)
         or None to finish it. It is called before a step once `turn_batch` sequences are parked, or when the parked
-        ones hold the others up (nothing else can run, or the pool ran dry)."""
+        ones hold the others up (nothing else can run, or the pool ran dry).
+
+        Streamed (dynamic sampling): with `admit`, at most that many prompt groups start, in call order (the rest
+        wait); `group_done(index, completions)` is called as each group finishes and returns how many more groups
+        may start (0 or more), or None to stop the call: the groups still running are dropped, their pages freed.
+        A group that did not finish (dropped, or never started) is None in the result. Each group's tokens are the
+        same as in a call without these (its random stream is its own)."""
         params = SamplingParams() if params is None else params
         self._check_inputs(prompt_token_ids, n, params)
         for name, values in (("group_ids", group_ids), ("first_columns", first_columns)):
@@ -209,6 +221,10 @@ class Engine:
         if turn_end is not None and not callable(turn_end):
             raise TypeError(f"turn_end must be a callable or None, got {type(turn_end).__name__}")
         check_int("turn_batch", turn_batch, 1)
+        if admit is not None:
+            check_int("admit", admit, 0)
+        if group_done is not None and not callable(group_done):
+            raise TypeError(f"group_done must be a callable or None, got {type(group_done).__name__}")
         start = time.perf_counter()
         groups = [Group(prompt=Sequence(list(prompt), len(prompt)), n=n, index=i)
                   for i, prompt in enumerate(prompt_token_ids)]  # fmt: skip
@@ -223,7 +239,8 @@ class Engine:
         outputs = Outputs(len(groups) * n, params.max_new_tokens, self.device, None if params.greedy else seed,
                           streams, columns)
         scheduler = Scheduler(groups, pool, batch, outputs, self.config.max_num_seqs,
-                              self.config.max_num_batched_tokens, multi_turn=turn_end is not None)  # fmt: skip
+                              self.config.max_num_batched_tokens, multi_turn=turn_end is not None,
+                              admit=admit)  # fmt: skip
         finish = self._finish_check(params, outputs)
         self.stats = GenerateStats(num_blocks=num_blocks)
         if self.decoder is not None:  # the model may have changed since: LoRA wrapped in place, hooks, `.to()`
@@ -239,7 +256,12 @@ class Engine:
                 dtype=self.dtype, device=self.device,
             )  # fmt: skip
             graphs = self._decode_graphs(kv_cache, max_blocks_per_seq)
-            while not scheduler.done:
+            while True:
+                if group_done is not None and scheduler.done_groups:  # (before `done`: it may grant more starts)
+                    self._report_groups(scheduler, outputs, group_done)
+                    continue
+                if scheduler.done:
+                    break
                 if wants_turns(scheduler, turn_batch):
                     self._end_turns(scheduler, outputs, turn_end)
                     continue
@@ -263,14 +285,22 @@ class Engine:
         self.stats.num_recomputed_tokens = scheduler.num_recomputed
         self.stats.num_continuation_tokens = scheduler.num_continued
         seqs = [seq for group in groups for seq in group.children]
-        ids, lengths = [seq.seq_id for seq in seqs], [seq.num_generated for seq in seqs]
-        completions = iter(Completion(tokens, logprobs, seq.finish_reason, tool_mask(seq)) for seq, tokens, logprobs
-                           in zip(seqs, outputs.token_lists(ids, lengths), outputs.logprob_lists(ids, lengths),
-                                  strict=True))  # fmt: skip
         self.stats.seconds = time.perf_counter() - start
         self.stats.num_appended_tokens = sum(count for seq in seqs for _, count in seq.appended)
-        self.stats.num_generated_tokens = sum(lengths) - self.stats.num_appended_tokens
-        return [[next(completions) for _ in range(n)] for _ in groups]
+        self.stats.num_generated_tokens = sum(seq.num_generated for seq in seqs) - self.stats.num_appended_tokens
+        self.stats.num_groups_finished = sum(group.done for group in groups)
+        return [completions(group, outputs) if group.done else None for group in groups]
+
+    def _report_groups(self, scheduler: Scheduler, outputs: Outputs, group_done: GroupDone) -> None:
+        """Hand each newly finished group to group_done; raise the admission limit by its answers, or stop."""
+        for group in scheduler.take_done():
+            more = group_done(group.index, completions(group, outputs))
+            if more is None:
+                scheduler.abandon()
+                return
+            check_int("group_done's answer", more, 0)
+            if scheduler.admit_limit is not None:
+                scheduler.admit_limit += more
 
     def _end_turns(self, scheduler: Scheduler, outputs: Outputs, turn_end: TurnEnd) -> None:
         self.stats.num_turns += end_turns(scheduler, outputs, turn_end, self.vocab_size)
@@ -412,6 +442,13 @@ class Engine:
             return self.model(
                 input_ids=input_ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=keep
             ).logits[0]
+
+
+def completions(group: Group, outputs: Outputs) -> list[Completion]:
+    """A finished group's n completions."""
+    ids, lengths = [seq.seq_id for seq in group.children], [seq.num_generated for seq in group.children]
+    return [Completion(tokens, logprobs, seq.finish_reason, tool_mask(seq)) for seq, tokens, logprobs in
+            zip(group.children, outputs.token_lists(ids, lengths), outputs.logprob_lists(ids, lengths), strict=True)]
 
 
 def tool_mask(seq: Sequence) -> list[int]:

@@ -83,6 +83,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         multi_turn: bool = False,
+        admit: int | None = None,
     ):
         self.pool = pool
         self.batch = batch
@@ -102,10 +103,37 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputed = 0  # positions computed again (after a preemption), prompts and completions
         self.num_continued = 0  # completion positions first computed by host work: continuations after a turn
+        # Streamed admission (dynamic sampling): at most `admit_limit` groups ever start (None: all); the caller
+        # raises it as finished groups come out of `take_done`, or stops the call with `abandon`.
+        self.admit_limit = admit
+        self.num_admitted = 0
+        self.done_groups: list[Group] = []  # finished since the last take_done, in the order they finished
+
+    def admissible(self, group: Group) -> bool:
+        """Whether `group` may start (or, preempted, start again) under the admission limit."""
+        return group.admitted or self.admit_limit is None or self.num_admitted < self.admit_limit
+
+    def take_done(self) -> list[Group]:
+        done, self.done_groups = self.done_groups, []
+        return done
+
+    def abandon(self) -> None:
+        """Stop every group that has not finished: pages freed, rows and turns dropped, nothing left to run."""
+        for group in self.running:
+            self.batch.remove([seq.row for seq in group.children if seq.row is not None])
+            for seq in [group.prompt, *group.children]:
+                self.pool.free(seq.block_table)
+                seq.block_table = []
+            self.pool.free(group.fork_spare)
+            group.fork_spare = []
+        self.running, self.host_groups, self.parked, self.copies = [], [], [], []
+        self.waiting.clear()
+        self.num_seqs = 0
 
     @property
     def done(self) -> bool:
-        return not self.waiting and not self.running
+        """Nothing runs and nothing may start (the admission limit holds the waiting groups back)."""
+        return not self.running and not any(map(self.admissible, self.waiting))
 
     def schedule(self) -> Step:
         step = Step()
@@ -132,13 +160,16 @@ class Scheduler:
 
         while self.waiting and budget:
             group = self.waiting[0]
-            if self.running and self.num_seqs + group.width > self.max_rows:
+            if self.running and self.num_seqs + group.width > self.max_rows or not self.admissible(group):
                 break
             seq = group.prompt
             chunk = min(seq.num_uncached, budget)
             if not self._reserve(group, seq, chunk):
                 break
             self.waiting.popleft()
+            if not group.admitted:
+                group.admitted = True
+                self.num_admitted += 1
             self.running.append(group)
             self.host_groups.append(group)
             self.num_seqs += group.width
@@ -305,9 +336,11 @@ class Scheduler:
         if not group.forked and group in self.waiting:  # parked in a preempted group, whose rows were given back
             if group.done:
                 self.waiting.remove(group)
+                self.done_groups.append(group)
             return
         self.num_seqs -= 1
         if group.done:
+            self.done_groups.append(group)
             self.running.remove(group)
             if group in self.host_groups:  # its last parked sequences finished while its prompt recomputed
                 self.host_groups.remove(group)

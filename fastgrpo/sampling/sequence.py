@@ -61,6 +61,7 @@ class Group:
     prompt_tokens_computed: int = 0  # prompt positions that went through the model, all sequences together
     num_finished: int = 0
     pending: list[Sequence] = field(default_factory=list)  # sequences with host work: the prompt, recomputes
+    admitted: bool = False  # it has run (admission budgets count a group once, preempted or not)
 
     def __post_init__(self):
         if not self.pending and not self.children:

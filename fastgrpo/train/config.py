@@ -148,6 +148,12 @@ class TrainConfig:
     use_bias_correction_kl: bool = option(True, "multiply the KL term by the importance ratio")
     sapo_temperature_pos: float = option(1.0, "sapo: the gate's temperature on positive advantages")
     sapo_temperature_neg: float = option(1.05, "sapo: the gate's temperature on negative advantages")
+    vespo_k_pos: float = option(2.0, "vespo: the power k of the sequence weight w^k e^(lambda (1 - w)), advantages "
+                                     ">= 0; larger down-weights sequences with ratio w < 1 more")
+    vespo_lambda_pos: float = option(3.0, "vespo: the decay lambda of the sequence weight, advantages >= 0; larger "
+                                          "down-weights sequences with ratio w > 1 more")
+    vespo_k_neg: float = option(3.0, "vespo: the power k of the sequence weight, advantages < 0")
+    vespo_lambda_neg: float = option(2.0, "vespo: the decay lambda of the sequence weight, advantages < 0")
     num_iterations: int = option(1, "passes over each generation batch (mu); > 1 computes old logprobs")
     entropy_coef: float = option(
         0.0, "entropy bonus: the loss minus entropy_coef times the mean token entropy of each micro-batch (TRL's "
@@ -295,12 +301,14 @@ class TrainConfig:
 
     def _check_agents(self) -> None:
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
-            raise ValueError(f"max_tool_calling_iterations must be None or >= 0, got {self.max_tool_calling_iterations}")
+            raise ValueError(f"max_tool_calling_iterations must be None or >= 0, got "
+                             f"{self.max_tool_calling_iterations}")
         if self.tool_timeout is not None and not self.tool_timeout > 0:
             raise ValueError(f"tool_timeout must be None or > 0 seconds, got {self.tool_timeout!r}")
         if self.rollout_func is not None and (self.tools or self.environment_factory is not None):
-            raise ValueError("rollout_func returns whole rollouts, so tools and environment_factory (fastgrpo's own "
-                             "tool loop) do not apply with it; run the tools inside rollout_func, or drop it")
+            given = "tools" if self.tools else "environment_factory"
+            raise ValueError(f"{given} does not apply with rollout_func, which returns whole rollouts (fastgrpo's own "
+                             "tool loop does not run); run the tools inside rollout_func, or drop one of the two")
         if isinstance(self.environment_factory, dict):
             for name, spec in self.environment_factory.items():
                 if not isinstance(name, str) or not isinstance(spec, str):
@@ -411,7 +419,7 @@ def field_types() -> dict[str, tuple[type, bool]]:
         union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
         kinds = [a for a in typing.get_args(annotation) if a is not type(None)] if union else [annotation]
         optional = union and type(None) in typing.get_args(annotation)
-        out[name] = (kinds[0] if len(kinds) == 1 else typing.Union[tuple(kinds)]), optional
+        out[name] = (kinds[0] if len(kinds) == 1 else typing.Union[tuple(kinds)]), optional  # noqa: UP007 - a list
     return out
 
 

@@ -49,8 +49,8 @@ from fastgrpo.reference import RATIO_METRICS
 from fastgrpo.sampling import Completion, Engine, SamplingParams
 from fastgrpo.sizes import GiB, parse_size
 from fastgrpo.train import checkpoint, distributed, run_dir
-from fastgrpo.train.config import TrainConfig, flag, train_dtype
 from fastgrpo.train.agent import Agent
+from fastgrpo.train.config import TrainConfig, flag, train_dtype
 from fastgrpo.train.data import PromptOrder, Prompts, answer_column, eval_subset, load_rows, prepare
 from fastgrpo.train.loading import (
     PACKED_ATTENTION,
@@ -558,7 +558,9 @@ class Trainer:
         rollout_func's extra fields."""
         data = self.train_prompts
         completion_ids = [c.token_ids for group in sampled.groups for c in group]
-        columns = {k: [data.rows[i][k] for i in samples] for k in data.rows[0]
+        # Every column of the data, None in rows without it (as a `datasets` table holds rows of different keys).
+        keys = dict.fromkeys(k for row in data.rows for k in row)
+        columns = {k: [data.rows[i].get(k) for i in samples] for k in keys
                    if k not in RESERVED_REWARD_ARGS and k != self.config.prompt_column}
         columns |= sampled.columns
         per_round = self.optimizer_steps_per_round  # TrainerState counts optimizer steps, as TRL's does

@@ -79,7 +79,8 @@ class GenerateStats:
     num_recomputed_tokens: int = 0
     # Multi-turn (turn_end): turns handed to it, its calls, the tokens it appended (kept, not dropped), and the
     # positions continuations computed (first time only): each resumed turn's last token and the appended tokens.
-    num_groups_finished: int = 0  # (all of them, unless group_done stopped the call or admit held some back)
+    num_groups_started: int = 0  # prompt groups that ran (all of them, unless `admit` held some back)
+    num_groups_finished: int = 0  # (all that started, unless group_done stopped the call)
     num_turns: int = 0
     num_turn_end_calls: int = 0
     num_appended_tokens: int = 0
@@ -288,6 +289,7 @@ class Engine:
         self.stats.seconds = time.perf_counter() - start
         self.stats.num_appended_tokens = sum(count for seq in seqs for _, count in seq.appended)
         self.stats.num_generated_tokens = sum(seq.num_generated for seq in seqs) - self.stats.num_appended_tokens
+        self.stats.num_groups_started = scheduler.num_admitted
         self.stats.num_groups_finished = sum(group.done for group in groups)
         return [completions(group, outputs) if group.done else None for group in groups]
 

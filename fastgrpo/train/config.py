@@ -115,6 +115,12 @@ class TrainConfig:
     scale_rewards: str = option("group", "divide advantages by the reward std of the group, the batch, or none",
                                 choices=("group", "batch", "none"))
     mask_truncated_completions: bool = option(False, "leave completions that hit max_completion_length out of the loss")
+    dynamic_sampling: bool = option(
+        False, "DAPO's dynamic sampling: drop prompt groups whose rewards do not differ (zero advantage) and draw "
+               "more prompts, in data order, until the round holds prompts_per_step groups that do")
+    max_num_gen_batches: int = option(
+        10, "dynamic_sampling: prompts drawn per round at most, in rounds' worth (verl's name); a round that reaches "
+            "it trains with the groups it has, filled up with dropped ones (zero advantage)")
     # -- agents: tools, environments, rollout_func (docs/agents.md) --
     tools: list[str] = option(
         [], "tool functions, 'module:function' or 'file.py:function' (def or async def, a type hint on every argument "
@@ -223,7 +229,7 @@ class TrainConfig:
         for name in ("kv_cache_blocks", "loss_chunk_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1 (or None), got {getattr(self, name)}")
-        positive = ("num_generations", "max_completion_length", "block_size", "num_iterations",
+        positive = ("num_generations", "max_completion_length", "block_size", "num_iterations", "max_num_gen_batches",
                     "per_device_train_batch_size", "gradient_accumulation_steps", "max_steps", "eval_num_samples",
                     "lora_r", "lora_alpha", "ddp_timeout")
         for name in positive:

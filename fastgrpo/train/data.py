@@ -318,6 +318,13 @@ class PromptOrder:
             self.index += take
         return picked
 
+    def peek(self, k: int) -> list[int]:
+        """The next k prompts, not taken: next(m) then takes the first m of them."""
+        state, order = self.state_dict(), self._order
+        picked = self.next(k)
+        self.epoch, self.index, self._order = state["epoch"], state["index"], order
+        return picked
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}
 

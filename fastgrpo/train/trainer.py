@@ -112,6 +112,24 @@ class Sampled(NamedTuple):
     tool_counts: ToolCounts
 
 
+def _merged(parts: list["RankRound"], preemptions: int, scored) -> "RankRound":
+    """Groups (RankRounds of one group each, in round order) as one RankRound; tool counts and the reward functions'
+    logged metrics summed over every group `scored` (the dropped ones made their calls too)."""
+    columns = {}
+    for k, part in enumerate(parts):
+        for column, values in part.logged_columns.items():
+            columns.setdefault(column, [None] * (len(parts[0].rewards) * k)).extend(values)
+        for values in columns.values():
+            values.extend([None] * (len(part.rewards) * (k + 1) - len(values)))
+    metrics = defaultdict(list)
+    for part in scored:
+        for name, values in part.logged_metrics.items():
+            metrics[name] += values
+    return RankRound([g for part in parts for g in part.groups], [ids for part in parts for ids in part.prompt_ids],
+                     sum((part.tool_counts for part in scored), ToolCounts()), torch.cat([p.per_func for p in parts]),
+                     torch.cat([p.rewards for p in parts]), preemptions, dict(metrics), columns)
+
+
 class RankRound(NamedTuple):
     """What one process sampled and scored of a round, gathered to every process in group order."""
 
@@ -411,30 +429,135 @@ class Trainer:
                 stack.enter_context(hook(name))
             yield
 
-    def _sample(self, data: Prompts, picked: list[int], n: int, params: SamplingParams) -> Sampled | None:
+    def _sample(self, data: Prompts, picked: list[int], n: int, params: SamplingParams,
+                first_group: int = 0) -> Sampled | None:
         """This rank's slice of the prompt groups `picked` (indices into `data`), n completions each, sampled with
-        each group's own random stream (its index in `picked`), so that the round is the same for any number of
-        processes; None for a rank without a group. Through the engine, with the agent's tool loop when there are
-        tools or environments, or through the user's rollout_func."""
+        each group's own random stream (first_group + its index in `picked`), so that the round is the same for any
+        number of processes; None for a rank without a group. Through the engine, with the agent's tool loop when
+        there are tools or environments, or through the user's rollout_func."""
         share = self.world.share(len(picked))
         with distributed.unsharded(self.policy):  # FSDP2's all-gathers: every rank joins, even one without a group
             if not share:  # more processes than prompts (a small held-out set)
                 return None
             mine = [picked[i] for i in share]
+            streams = [first_group + i for i in share]
             if self.rollout_func is not None:
                 return self._call_rollout_func(data, mine, n)
             if self.agent is not None:
                 done = self.agent.generate(self.engine, [data.rows[i] for i in mine], [data.prompts[i] for i in mine],
-                                           [data.token_ids[i] for i in mine], list(share), n, params)
+                                           [data.token_ids[i] for i in mine], streams, n, params)
                 columns = {} if done.environments is None else {"environments": done.environments}
                 return Sampled(done.groups, done.prompt_ids, done.prompts, done.messages, columns, done.counts)
-            groups = self.engine.generate([data.token_ids[i] for i in mine], n=n, params=params,
-                                          group_ids=list(share))
-        samples = [i for i in mine for _ in range(n)]
+            groups = self.engine.generate([data.token_ids[i] for i in mine], n=n, params=params, group_ids=streams)
+        return self._plain_sampled(data, mine, groups)
+
+    def _plain_sampled(self, data: Prompts, mine: list[int], groups: list[list[Completion]]) -> Sampled:
+        """Engine groups of the prompts `mine` as reward functions get them (text, or one assistant message)."""
+        samples = [i for i in mine for _ in range(len(groups[0]))]
         texts = self.tokenizer.batch_decode([c.token_ids for group in groups for c in group], skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if data.conversational else texts
         return Sampled(groups, [data.token_ids[i] for i in samples], [data.prompts[i] for i in samples], completions,
                        {}, ToolCounts())
+
+    def _round(self, picked: list[int], params: SamplingParams, first_group: int = 0) -> list[RankRound]:
+        """The groups of train prompts `picked`, sampled (this rank's share) and scored, gathered to every rank in
+        group order."""
+        mine = None
+        sampled = self._sample(self.train_prompts, picked, self.config.num_generations, params, first_group)
+        if sampled is not None:  # a process gets no group when a round has fewer groups than processes
+            samples = [picked[i] for i in self.world.share(len(picked)) for _ in range(self.config.num_generations)]
+            per_func, rewards = self._score(samples, sampled)
+            mine = RankRound(sampled.groups, sampled.prompt_ids, sampled.tool_counts, per_func, rewards,
+                             self.engine.stats.num_preemptions if self.rollout_func is None else 0,
+                             self.rewards.logged_metrics, self.rewards.logged_columns)
+        return [part for part in self.world.gather(mine) if part is not None]
+
+    def _dynamic_round(self, params: SamplingParams) -> tuple[list[int], list[RankRound], dict]:
+        """DAPO's dynamic sampling: the round's groups whose rewards differ, prompts_per_step (x processes) of them,
+        drawn in data order from at most max_num_gen_batches rounds' worth of prompts. -> (the kept groups' prompts,
+        the round as one RankRound, metrics).
+
+        What is kept does not depend on the schedule or the process count: group d of the draw samples with random
+        stream d, the kept groups are the first P informative ones in draw order, and the prompts taken from the data
+        are those up to the P-th informative one (the ones drawn after it go back: the next round draws them again).
+        One process sampling with the engine streams: P groups start, each flat group that finishes lets one more
+        start, and the call stops once the first P informative groups are known. Otherwise waves: each draws as many
+        groups as are still missing, sampled and scored by all processes together."""
+        config, G = self.config, self.config.num_generations
+        P = config.prompts_per_step * self.world.size
+        candidates = self.order.peek(P * config.max_num_gen_batches)
+        records: dict[int, RankRound] = {}  # draw index -> its group, scored
+        kept: list[int] = []  # draw indices of the informative groups, in draw order, found so far
+        scanned = 0  # draw indices below this are in `records` and counted in `kept`
+        started = 0  # groups sampled (in part or whole)
+
+        def scan() -> None:
+            nonlocal scanned
+            while scanned in records and len(kept) < P:
+                if not self._flat(records[scanned].rewards):
+                    kept.append(scanned)
+                scanned += 1
+
+        if self.world.size == 1 and self.agent is None and self.rollout_func is None:
+            data = self.train_prompts
+
+            def group_done(d: int, completions: list[Completion]) -> int | None:
+                sampled = self._plain_sampled(data, [candidates[d]], [completions])
+                per_func, rewards = self._score([candidates[d]] * G, sampled)
+                records[d] = RankRound(sampled.groups, sampled.prompt_ids, ToolCounts(), per_func, rewards, 0,
+                                       self.rewards.logged_metrics, self.rewards.logged_columns)
+                scan()
+                if len(kept) == P:
+                    return None
+                return 1 if self._flat(rewards) else 0
+
+            with distributed.unsharded(self.policy):
+                groups = self.engine.generate([data.token_ids[i] for i in candidates], n=G, params=params,
+                                              group_ids=list(range(len(candidates))), admit=P, group_done=group_done)
+            del groups  # (the finished ones are in `records`)
+            started = self.engine.stats.num_groups_started
+            preemptions = self.engine.stats.num_preemptions
+            generated = self.engine.stats.num_generated_tokens
+        else:
+            preemptions = generated = 0
+            while len(kept) < P and started < len(candidates):
+                wave = candidates[started : started + P - len(kept)]
+                for k, (group, part) in enumerate(self._groups_of(self._round(wave, params, started))):
+                    records[started + k] = part
+                    preemptions += part.preemptions
+                    generated += sum(sum(c.tool_mask) for c in group)
+                started += len(wave)
+                scan()
+        consumed = scanned if len(kept) == P else len(candidates)
+        self.order.next(consumed)
+        flat = [d for d in range(consumed) if d not in kept]
+        chosen = sorted(kept + flat[: P - len(kept)])  # a round cut short is filled with flat groups
+        parts = [records[d] for d in chosen]
+        metrics = {
+            "dynamic/kept_groups": len(kept),
+            "dynamic/drawn_groups": consumed,  # taken from the data: kept, and dropped before the last kept one
+            "dynamic/sampled_groups": started,  # also those sampled past the last kept one (wasted)
+            "dynamic/sampled_tokens": generated,
+            "frac_reward_zero_std": len(flat) / max(consumed, 1),  # before filtering
+        }
+        return [candidates[d] for d in chosen], [_merged(parts, preemptions, records.values())], metrics
+
+    @staticmethod
+    def _flat(rewards: torch.Tensor) -> bool:
+        """Whether a group's scorable rewards are all equal (or it has fewer than two): zero advantage."""
+        return bool(group_advantages(rewards, len(rewards), "none")[2][0])
+
+    def _groups_of(self, parts: list[RankRound]) -> list[tuple[list[Completion], RankRound]]:
+        """Each group of gathered parts as a RankRound of its own."""
+        G, out = self.config.num_generations, []
+        for part in parts:
+            for g, group in enumerate(part.groups):
+                rows = slice(g * G, (g + 1) * G)
+                columns = {k: v[rows] for k, v in part.logged_columns.items()}
+                out.append((group, RankRound([group], part.prompt_ids[rows], part.tool_counts if g == 0 else
+                                             ToolCounts(), part.per_func[rows], part.rewards[rows], 0,
+                                             part.logged_metrics if g == 0 else {}, columns)))
+        return out
 
     def _call_rollout_func(self, data: Prompts, mine: list[int], n: int) -> Sampled:
         """TRL's rollout_func(prompts, trainer) for the samples of prompts `mine` (n each, prompt-major); its
@@ -468,22 +591,17 @@ class Trainer:
         timer = Timer()
 
         # 1. sample (this rank's prompt groups) and 2. score them; then every rank gets the whole round
-        picked = self.order.next(config.prompts_per_step * self.world.size)
         params = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
                                 max_new_tokens=config.max_completion_length, stop_token_ids=self.stop_token_ids,
                                 seed=self._seed("sample"))
-        mine = None
-        with self.world.together("sampling and rewards"):
-            with self._phase("sampling"):
-                sampled = self._sample(self.train_prompts, picked, G, params)
-            timer.lap("sampling")
-            if sampled is not None:  # a process gets no group when a round has fewer groups than processes
-                samples = [picked[i] for i in self.world.share(len(picked)) for _ in range(G)]
-                per_func, rewards = self._score(samples, sampled)
-                mine = RankRound(sampled.groups, sampled.prompt_ids, sampled.tool_counts, per_func, rewards,
-                                 self.engine.stats.num_preemptions if self.rollout_func is None else 0,
-                                 self.rewards.logged_metrics, self.rewards.logged_columns)
-        parts = [part for part in self.world.gather(mine) if part is not None]  # in group order
+        dynamic = {}
+        with self.world.together("sampling and rewards"), self._phase("sampling"):
+            if config.dynamic_sampling:
+                picked, parts, dynamic = self._dynamic_round(params)
+            else:
+                picked = self.order.next(config.prompts_per_step * self.world.size)
+                parts = self._round(picked, params)  # in group order
+        timer.lap("sampling")
         completions = [c for part in parts for group in part.groups for c in group]  # [P*G], prompt-major
         per_func = torch.cat([part.per_func for part in parts])  # [P*G, F]
         rewards = torch.cat([part.rewards for part in parts])  # [P*G]
@@ -548,6 +666,7 @@ class Trainer:
             **timer.metrics(),
             "tokens_per_second": float(lengths.sum()) / timer.total,
             "peak_memory_gib": max(self.world.gather(peak_memory(self.device) / GiB)),  # the fullest process's
+            **dynamic,  # (its frac_reward_zero_std counts the groups before filtering)
         }
 
     def _score(self, samples: list[int], sampled: Sampled) -> tuple[torch.Tensor, torch.Tensor]:

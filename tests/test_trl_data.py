@@ -33,7 +33,7 @@ from fastgrpo.train.data import load_rows, prepare  # noqa: E402
 from fastgrpo.train.loading import load_tokenizer  # noqa: E402
 from fastgrpo.train.logs import COMPLETIONS_FILE, read_metrics  # noqa: E402
 from fastgrpo.train.rewards import RewardError, Rewards  # noqa: E402
-from fastgrpo.train.rollout import group_advantages  # noqa: E402
+from fastgrpo.train.rollout import decoupled_advantages, group_advantages  # noqa: E402
 
 G = 4
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -147,8 +147,13 @@ def ours(chat, tmp_path, data, reward_funcs, weights=None, **overrides):
     ids = [trainer.tokenizer(text, add_special_tokens=False).input_ids + [trainer.tokenizer.eos_token_id]
            for text in COMPLETIONS]
     outputs = [[type("Completion", (), {"token_ids": ids[p * G + g]}) for g in range(G)] for p in range(len(CHAT_ROWS))]
-    per_func, total = trainer._score(list(range(len(CHAT_ROWS))), outputs)
-    advantages, _, _ = group_advantages(total, G, trainer.config.scale_rewards)
+    prompts = list(range(len(CHAT_ROWS)))
+    sampled = trainer._plain_sampled(trainer.train_prompts, prompts, outputs)
+    per_func, total = trainer._score([p for p in prompts for _ in range(G)], sampled)
+    if trainer.config.multi_objective_aggregation == "normalize_then_sum":
+        advantages, _ = decoupled_advantages(per_func, trainer.rewards.weights, G)
+    else:
+        advantages, _, _ = group_advantages(total, G, trainer.config.scale_rewards)
     return trainer, ids, per_func, advantages
 
 
@@ -186,6 +191,28 @@ def test_rewards_and_advantages_equal_stock_trl(chat, tmp_path, data):
     for key in ("prompts", "completions", "completion_ids", "solution", "level"):
         assert ours_call[key] == trl_call[key], key
     assert isinstance(trl_call["trainer_state"], TrainerState)
+
+
+def test_normalize_then_sum_equals_stock_trl(chat, tmp_path):
+    """GDPO (multi_objective_aggregation="normalize_then_sum"): each function normalised within its group, summed
+    with the weights, normalised over the batch; a function returning None for half the samples and an unscorable
+    sample included. Advantages equal stock TRL's on the same completions."""
+    funcs = ["trl.rewards:accuracy_reward", f"{chat['user']}:half"]  # samples 9 and 11: both None
+    weights = [1.0, 2.0]
+    with pytest.warns(UserWarning, match="every reward function returned None"):
+        trainer, ids, per_func, advantages = ours(chat, tmp_path, "chat", funcs, weights,
+                                                  multi_objective_aggregation="normalize_then_sum")
+    rows = [json.loads(line) for line in (chat["root"] / "chat" / "train.jsonl").read_text().splitlines()]
+    module = user_module(trainer)
+    trl_per_func, trl_advantages, _ = trl_rewards_and_advantages(
+        chat["policy"], rows, [accuracy_reward, module.half], ids, num_generations=G,
+        reward_weights=weights, multi_objective_aggregation="normalize_then_sum", processing_class=trainer.tokenizer)
+    torch.testing.assert_close(per_func, trl_per_func, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(advantages, trl_advantages, rtol=1e-5, atol=1e-5)
+    assert advantages.abs().max() > 0.1 and advantages[[9, 11]].tolist() == [0.0, 0.0]
+    with pytest.warns(UserWarning, match="every reward function returned None"):
+        _, sum_first = ours(chat, tmp_path / "sum", "chat", funcs, weights)[2:]
+    assert not torch.allclose(advantages, sum_first, atol=1e-3)  # the two aggregations differ on this data
 
 
 def test_unscorable_samples_get_advantage_zero_with_a_warning(chat, tmp_path):

@@ -162,6 +162,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     from transformers.utils import logging
 
     from fastgrpo.train.rewards import RewardError
+    from fastgrpo.train.tools import RolloutError
 
     datasets.disable_progress_bars()  # the run has its own progress bar
     logging.disable_progress_bar()
@@ -177,8 +178,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
             parser.exit(status, stopped_message(trainer, stop))
         except RankFailed as failed:  # another process's error, which that process prints with its traceback
             parser.exit(1, f"fastgrpo train: error: {failed}\n")
-        except RewardError as error:  # a reward function that raised or returned what is not a reward
-            parser.exit(1, f"fastgrpo train: error: {error}\n")
+        except (RewardError, RolloutError) as error:  # a reward or rollout_func that raised or returned nonsense
+            parser.exit(1, f"fastgrpo train: error: {flagged(error)}\n")
         finally:
             trainer = None  # its DDP / FSDP2 wrappers go before the process group (distributed.leave)
             distributed.leave(finished)

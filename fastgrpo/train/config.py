@@ -115,6 +115,10 @@ class TrainConfig:
     scale_rewards: str = option("group", "divide advantages by the reward std of the group, the batch, or none",
                                 choices=("group", "batch", "none"))
     mask_truncated_completions: bool = option(False, "leave completions that hit max_completion_length out of the loss")
+    multi_objective_aggregation: str = option(
+        "sum_then_normalize", "several reward functions: sum the weighted rewards, then scale_rewards; or (GDPO) "
+                              "normalise each function's rewards within the group, sum them weighted, then normalise "
+                              "the sums over the batch", choices=("sum_then_normalize", "normalize_then_sum"))
     dynamic_sampling: bool = option(
         False, "DAPO's dynamic sampling: drop prompt groups whose rewards do not differ (zero advantage) and draw "
                "more prompts, in data order, until the round holds prompts_per_step groups that do")

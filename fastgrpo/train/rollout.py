@@ -45,6 +45,23 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     return advantages.nan_to_num(0.0).masked_fill(flat, 0.0), std, flat
 
 
+def decoupled_advantages(per_func: torch.Tensor, weights: torch.Tensor, num_generations: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO, TRL 1.16's multi_objective_aggregation="normalize_then_sum": per_func [P*G, F] (NaN where a function
+    returned None) -> (advantages [P*G], zero-std flags [P*G]).
+
+    Each function's rewards are normalised within their group, (r - nanmean) / (nanstd + 1e-4), then weighted and
+    summed (nansum); the sums are normalised over the batch, (s - nanmean) / (nanstd + 1e-4). A sample every function
+    left unscored gets 0. scale_rewards does not apply; the zero-std flag is the batch's, as TRL logs it."""
+    grouped = per_func.view(-1, num_generations, per_func.shape[1])  # [P, G, F]
+    normalised = (grouped - torch.nanmean(grouped, 1, keepdim=True)) / (nanstd(grouped, 1, keepdim=True) + 1e-4)
+    summed = (normalised.reshape(per_func.shape) * weights).nansum(1)  # [P*G]
+    summed = summed.masked_fill(per_func.isnan().all(1), math.nan)
+    std = nanstd(summed).expand_as(summed)
+    advantages = (summed - torch.nanmean(summed)) / (std + 1e-4)
+    return advantages.nan_to_num(0.0), torch.isclose(std, torch.zeros_like(std))
+
+
 def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
     """The standard deviation (Bessel-corrected) of the values that are not NaN; NaN with fewer than two."""
     mean = torch.nanmean(x, dim=dim, keepdim=True)

@@ -359,12 +359,12 @@ class ToolChat:
         if not supports_tool_calls(tokenizer, chat_template, kwargs):
             raise ValueError("tools: the chat template cannot render a tool-calling conversation (user, then an "
                              "assistant turn with tool_calls, then a tool message); use a model whose chat template "
-                             "supports tools, or give one as chat_template")
+                             "supports tools, or give one with chat_template_path")
         if not _is_prefix_preserving(tokenizer, chat_template, kwargs):
             raise ValueError("tools: the chat template renders an assistant turn differently once a tool result "
                              "follows (it is not prefix-preserving, e.g. Qwen3's drops the turn's <think> block), so "
                              "the tool turn's tokens cannot be appended to the sampled ones; give a prefix-preserving "
-                             "chat template as chat_template (TRL ships them: trl/chat_templates/*_training.jinja)")
+                             "one with chat_template_path (TRL ships them: trl/chat_templates/*_training.jinja)")
         return cls(tokenizer, response_template(tokenizer, chat_template, kwargs), chat_template, kwargs)
 
     def parse(self, completion_ids: list[int], prompt_ids: list[int], tools: list[dict | Callable] | None) -> dict:
@@ -572,19 +572,24 @@ class ToolRunner:
 ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
 
+class RolloutError(ValueError):
+    """A rollout_func returned what is not a rollout; found during a step, so the command line reports it as it does a
+    reward function's bad output (one line, exit 1)."""
+
+
 def _token_ids(value, key: str, i: int, vocab_size: int | None) -> list[int]:
     if hasattr(value, "tolist") and not isinstance(value, list):  # a 1-D tensor or numpy array
         value = value.tolist()
     if isinstance(value, (str, bytes)) or not isinstance(value, collections.abc.Sequence):
-        raise ValueError(f"rollout_func: {key}[{i}] must be a list of token ids, got {type(value).__name__}")
+        raise RolloutError(f"rollout_func: {key}[{i}] must be a list of token ids, got {type(value).__name__}")
     if not value:
-        raise ValueError(f"rollout_func: {key}[{i}] is empty; every sample needs at least one token")
+        raise RolloutError(f"rollout_func: {key}[{i}] is empty; every sample needs at least one token")
     for t, token in enumerate(value):
         if isinstance(token, bool) or not isinstance(token, numbers.Integral):
-            raise ValueError(f"rollout_func: {key}[{i}][{t}] is {token!r}, not a token id (an int)")
+            raise RolloutError(f"rollout_func: {key}[{i}][{t}] is {token!r}, not a token id (an int)")
         if token < 0 or (vocab_size is not None and token >= vocab_size):
             bounds = f"outside the vocabulary [0, {vocab_size})" if vocab_size is not None else "negative"
-            raise ValueError(f"rollout_func: {key}[{i}][{t}] is {token}, {bounds}")
+            raise RolloutError(f"rollout_func: {key}[{i}][{t}] is {token}, {bounds}")
     return [int(token) for token in value]
 
 
@@ -593,26 +598,26 @@ def _as_list(value, where: str, what: str) -> list:
     if hasattr(value, "tolist") and not isinstance(value, list):
         value = value.tolist()
     if isinstance(value, (str, bytes)) or not isinstance(value, collections.abc.Sequence):
-        raise ValueError(f"rollout_func: {where} must be {what}, got {type(value).__name__}")
+        raise RolloutError(f"rollout_func: {where} must be {what}, got {type(value).__name__}")
     return list(value)
 
 
 def _per_sample(output: dict, key: str, num_samples: int) -> list:
     value = _as_list(output[key], key, "a list with one entry per sample")
     if len(value) != num_samples:
-        raise ValueError(f"rollout_func: {key} has {len(value)} entries but the step has {num_samples} samples "
-                         "(prompts x num_generations); return one per sample")
+        raise RolloutError(f"rollout_func: {key} has {len(value)} entries but the step has {num_samples} samples "
+                           "(prompts x num_generations); return one per sample")
     return value
 
 
 def _per_token(value, key: str, i: int, length: int, check: Callable, what: str) -> list:
     value = _as_list(value, f"{key}[{i}]", "a list")
     if len(value) != length:
-        raise ValueError(f"rollout_func: {key}[{i}] has {len(value)} values but completion_ids[{i}] has {length} "
-                         "tokens; give one per completion token")
+        raise RolloutError(f"rollout_func: {key}[{i}] has {len(value)} values but completion_ids[{i}] has {length} "
+                           "tokens; give one per completion token")
     for t, x in enumerate(value):
         if not check(x):
-            raise ValueError(f"rollout_func: {key}[{i}][{t}] is {x!r}, not {what}")
+            raise RolloutError(f"rollout_func: {key}[{i}][{t}] is {x!r}, not {what}")
     return value
 
 
@@ -629,11 +634,11 @@ def check_rollout(output, num_samples: int, vocab_size: int | None = None) -> di
     (one value per sample) or a single value for all. Anything else is one line naming rollout_func.
     -> the same dict, token ids as int lists, logprobs as float lists (NaN for None)."""
     if not isinstance(output, collections.abc.Mapping):
-        raise ValueError(f"rollout_func must return a dict with {list(ROLLOUT_KEYS)}, got {type(output).__name__}")
+        raise RolloutError(f"rollout_func must return a dict with {list(ROLLOUT_KEYS)}, got {type(output).__name__}")
     missing = [k for k in ROLLOUT_KEYS if k not in output]
     if missing:
-        raise ValueError(f"rollout_func must return keys {missing} in its output dict (it returned "
-                         f"{sorted(map(str, output))})")
+        raise RolloutError(f"rollout_func must return keys {missing} in its output dict (it returned "
+                           f"{sorted(map(str, output))})")
     checked = dict(output)
     for key in ("prompt_ids", "completion_ids"):
         checked[key] = [_token_ids(ids, key, i, vocab_size)
@@ -655,7 +660,7 @@ def check_rollout(output, num_samples: int, vocab_size: int | None = None) -> di
     for key, value in output.items():
         if key not in (*ROLLOUT_KEYS, "env_mask", "logprob_token_ids") and isinstance(value, list):
             if len(value) != num_samples:
-                raise ValueError(f"rollout_func: the extra field {key!r} is a list of {len(value)} values but the "
-                                 f"step has {num_samples} samples; give one per sample (or a single non-list value "
-                                 "for all)")
+                raise RolloutError(f"rollout_func: the extra field {key!r} is a list of {len(value)} values but the "
+                                   f"step has {num_samples} samples; give one per sample (or a single non-list value "
+                                   "for all)")
     return checked

@@ -85,10 +85,17 @@ from fastgrpo.train.plan import (
 from fastgrpo.train.policy_loss import PolicyLoss
 from fastgrpo.train.quantization import bitsandbytes
 from fastgrpo.train.rewards import RewardError, Rewards, accuracy, completion_text, load_function
-from fastgrpo.train.rollout import Rollout, group_advantages, micro_batch, micro_batches, sampler_importance_weights
+from fastgrpo.train.rollout import (
+    Rollout,
+    decoupled_advantages,
+    group_advantages,
+    micro_batch,
+    micro_batches,
+    sampler_importance_weights,
+)
 from fastgrpo.train.run_dir import RunDir
 from fastgrpo.train.schedule import lr_scheduler
-from fastgrpo.train.tools import ToolCounts, check_rollout
+from fastgrpo.train.tools import RolloutError, ToolCounts, check_rollout
 
 PLAN_FILE = "memory_plan.txt"
 # Dataset columns that do not reach reward functions as keywords (TRL's, and the keywords the trainer passes).
@@ -572,7 +579,7 @@ class Trainer:
         output = check_rollout(output, len(samples), len(self.tokenizer))
         ids, logprobs = output["completion_ids"], output["logprobs"]
         if logprobs is None and self.config.importance_sampling_correction:
-            raise ValueError("rollout_func returned logprobs None, but importance_sampling_correction needs the "
+            raise RolloutError("rollout_func returned logprobs None, but importance_sampling_correction needs the "
                              "sampler's logprob of every completion token; return them, or turn the correction off")
         ends = {*self.stop_token_ids, self.tokenizer.pad_token_id}
         masks = output.get("env_mask") or [[1] * len(c) for c in ids]
@@ -613,7 +620,10 @@ class Trainer:
 
         samples = [i for i in picked for _ in range(G)]  # [P*G] prompt index per completion
         completion_ids = [c.token_ids for c in completions]
-        advantages, _, flat = group_advantages(rewards, G, config.scale_rewards)
+        if config.multi_objective_aggregation == "normalize_then_sum":
+            advantages, flat = decoupled_advantages(per_func, self.rewards.weights, G)
+        else:
+            advantages, _, flat = group_advantages(rewards, G, config.scale_rewards)
         if config.log_completions:
             self._log_completions(samples, completion_ids, per_func, advantages, parts)
         truncated = torch.tensor([c.finish_reason == "length" for c in completions])

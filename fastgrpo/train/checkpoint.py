@@ -72,19 +72,26 @@ def _partial(output_dir: Path, step: int) -> Path:
     return partial
 
 
-def _write_state(partial: Path, step: int, tokenizer, scheduler, state: dict) -> None:
+def _write_state(partial: Path, step: int, tokenizer, scheduler, state: dict, tensors: dict | None = None) -> None:
+    """The tokenizer, schedule, RNG and trainer state; `tensors` {file name: state dict}, more weights an exact
+    resume needs (a reference model that sync_ref_model moves), as safetensors files."""
     tokenizer.save_pretrained(partial)
+    if tensors:
+        from safetensors.torch import save_file
+
+        for name, weights in tensors.items():
+            save_file({k: v.contiguous() for k, v in weights.items()}, partial / name)
     torch.save(scheduler.state_dict(), partial / "scheduler.pt")
     torch.save(rng_state(), partial / "rng_state.pt")
     (partial / TRAINER_STATE).write_text(json.dumps({"step": step, **state}, indent=2))
 
 
 def save(output_dir: Path, step: int, model, tokenizer, optimizer, scheduler, state: dict,
-         total_limit: int | None) -> Path:
+         total_limit: int | None, tensors: dict | None = None) -> Path:
     partial = _partial(output_dir, step)
     model.save_pretrained(partial, safe_serialization=True)
     torch.save(optimizer.state_dict(), partial / "optimizer.pt")
-    _write_state(partial, step, tokenizer, scheduler, state)
+    _write_state(partial, step, tokenizer, scheduler, state, tensors)
     return _publish(output_dir, step, partial, total_limit)
 
 
@@ -120,7 +127,7 @@ def _without_tied_copies(model, state: dict) -> dict:
 
 
 def save_sharded(output_dir: Path, step: int, world, model, tokenizer, optimizer, scheduler, state: dict,
-                 total_limit: int | None, export: bool) -> Path:
+                 total_limit: int | None, export: bool, tensors: dict | None = None) -> Path:
     """A collective: every rank writes its shards; rank 0 the rest, then renames the folder into place once all
     ranks have written. With `export`, rank 0 also writes the whole model with save_pretrained (gathered from the
     shards, in CPU memory)."""
@@ -138,7 +145,7 @@ def save_sharded(output_dir: Path, step: int, world, model, tokenizer, optimizer
         if export:
             model.save_pretrained(partial, state_dict=_without_tied_copies(model, full), safe_serialization=True)
         find_hf_model(model).config.save_pretrained(partial)
-        _write_state(partial, step, tokenizer, scheduler, state)
+        _write_state(partial, step, tokenizer, scheduler, state, tensors)
     world.barrier()  # every rank's shards are on disk
     if world.is_main:
         final = _publish(output_dir, step, partial, total_limit)
@@ -164,6 +171,31 @@ def load_sharded(checkpoint: Path, model, optimizer) -> None:
         raise CheckpointError(f"resume: {checkpoint / SHARDED} cannot be loaded ({_reason(e)}); resume with the "
                               "options the run was written with, or start afresh with --overwrite-output-dir") from e
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state, options=options)
+
+
+def full_state(model) -> dict:
+    """A module's whole state dict on the CPU: gathered from FSDP2's shards (a collective) or as it is."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return _without_tied_copies(model, full)  # (safetensors refuses two names for one tensor)
+
+
+def load_full_state(path: Path, model) -> None:
+    """A safetensors state dict (full_state's) into `model`, plain or FSDP2-sharded."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    try:
+        weights = load_file(path)
+    except Exception as e:
+        raise CheckpointError(f"resume: {path} cannot be read ({_reason(e)})") from e
+    first = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):  # a tied parameter's second name
+        first.setdefault(id(parameter), name)
+        if name not in weights and first[id(parameter)] in weights:
+            weights[name] = weights[first[id(parameter)]]
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
 
 
 def load_full_optimizer(checkpoint: Path, model, optimizer) -> None:

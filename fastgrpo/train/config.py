@@ -26,6 +26,17 @@ REWARD_FUNCS = ("accuracy", "format", "length")
 OPTIMIZERS = ("adamw_torch", "adamw_8bit")  # TRL's / transformers' names
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL 1.16's
 SEED_LIMIT = 2**32  # numpy's seeding takes [0, 2**32), as does transformers' set_seed that TRL recipes call
+# The keys of TRL's generation_kwargs that the sampler honours (they override the options of the same names) -> what
+# the value must be, and its check (a number, not a bool, that passes it; min_p may be None). TRL hands the dict to
+# transformers' GenerationConfig or vLLM's SamplingParams, which take many more; fastgrpo refuses the others rather
+# than ignore them (max_completion_length and seed are options of their own).
+GENERATION_KWARGS = {
+    "temperature": ("a number >= 0", lambda v: v >= 0),
+    "top_p": ("a number in (0, 1]", lambda v: 0 < v <= 1),
+    "top_k": ("an int >= 0", lambda v: isinstance(v, int) and v >= 0),
+    "min_p": ("None or a number in [0, 1]", lambda v: 0 <= v <= 1),
+    "repetition_penalty": ("a number in (0, inf)", lambda v: 0 < v < math.inf),
+}
 
 
 def is_local_path(name: str) -> bool:
@@ -68,6 +79,7 @@ class TrainConfig:
         False, "swap in liger-kernel's RMSNorm, RoPE and SwiGLU kernels (needs liger-kernel)", aliases=("--liger",))
     trust_remote_code: bool = option(False, "allow model code from the hub")
     use_peft: bool = option(False, "train LoRA adapters (peft); the reference model is then the base, adapters off")
+    disable_dropout: bool = option(False, "set every dropout of the policy and the reference (LoRA's too) to 0")
     load_in_4bit: bool = option(
         False, "QLoRA: the base's linear layers in 4-bit NF4 with double quantization (bitsandbytes), computing in the "
                "training dtype; embeddings and lm_head stay in it. Needs use_peft (pip install 'fastgrpo[quant]')")
@@ -100,6 +112,15 @@ class TrainConfig:
     temperature: float = option(1.0, "sampling temperature (also divides the logits in the loss)")
     top_p: float = option(1.0, "nucleus sampling mass")
     top_k: int = option(0, "top-k sampling; 0 is off")
+    min_p: float | None = option(
+        None, "min-p sampling: keep the tokens of probability >= min_p x the most likely one's (after temperature, "
+              "top-k and top-p, transformers' order); None or 0 is off")
+    repetition_penalty: float = option(
+        1.0, "divide the positive logits (multiply the negative ones) of the tokens in the prompt or the completion "
+             "so far, tool tokens included, before temperature (transformers' rule); 1 is off, > 1 discourages repeats")
+    generation_kwargs: dict | None = option(
+        None, "TRL's generation_kwargs: a JSON object whose keys override the sampling options of the same names "
+              f"({', '.join(GENERATION_KWARGS)}); any other key is refused")
     block_size: int = option(16, "tokens per page of the paged KV cache")
     sampling_memory_fraction: float = option(0.8, "fraction of free memory the KV cache may take while sampling")
     kv_cache_blocks: int | None = option(
@@ -165,6 +186,11 @@ class TrainConfig:
     vespo_k_neg: float = option(3.0, "vespo: the power k of the sequence weight, advantages < 0")
     vespo_lambda_neg: float = option(2.0, "vespo: the decay lambda of the sequence weight, advantages < 0")
     num_iterations: int = option(1, "passes over each generation batch (mu); > 1 computes old logprobs")
+    sync_ref_model: bool = option(
+        False, "move the reference model towards the policy every ref_model_sync_steps optimizer steps: ref = "
+               "alpha * policy + (1 - alpha) * ref (TR-DPO's update; needs beta > 0 and full fine-tuning)")
+    ref_model_mixup_alpha: float = option(0.6, "sync_ref_model's alpha")
+    ref_model_sync_steps: int = option(512, "sync_ref_model's period, in optimizer steps")
     entropy_coef: float = option(
         0.0, "entropy bonus: the loss minus entropy_coef times the mean token entropy of each micro-batch (TRL's "
              "static entropy_coef; never divided by the loss type's normaliser); 0 is off")
@@ -219,6 +245,9 @@ class TrainConfig:
     eval_steps: int = option(0, "evaluate on the held-out split every this many steps; 0: only before and after")
     eval_num_samples: int = option(200, "held-out prompts per evaluation")
     eval_temperature: float = option(0.0, "evaluation sampling temperature; 0 is greedy (pass@1)")
+    num_generations_eval: int | None = option(
+        None, "completions per held-out prompt; None: one. With more (and eval_temperature > 0) the accuracy is "
+              "their mean (pass@1 estimated from several samples)")
     report_to: list[str] = option(["tensorboard"], "metric sinks besides metrics.jsonl: tensorboard, wandb, none")
     log_completions: bool = option(
         False, "write every sample's prompt, completion, rewards and advantage to completions.jsonl each step, with "
@@ -273,6 +302,7 @@ class TrainConfig:
                 "per row" if self.environment_factory is not None else
                 "; only an environment_factory can do without: its reset() writes the prompts"))
         self._check_agents()
+        self._check_reference_and_eval()
         if self.load_in_4bit and not self.use_peft:
             raise ValueError("load_in_4bit needs use_peft: a 4-bit base is frozen, so train LoRA adapters on it "
                              "(--use-peft)")
@@ -305,9 +335,27 @@ class TrainConfig:
         if bad_sinks:
             raise ValueError(f"report_to: unknown sinks {sorted(bad_sinks)}; choose from tensorboard, wandb, none")
         self._check_importance_sampling()
+        self._check_sampling()
         if self.resume and self.overwrite_output_dir:
             raise ValueError("resume and overwrite_output_dir contradict each other; pass one")
         self.loss_options()  # the loss options' checks
+
+    def _check_reference_and_eval(self) -> None:
+        if self.sync_ref_model and self.beta == 0:
+            raise ValueError("sync_ref_model needs beta > 0: with beta 0 there is no reference model to move")
+        if self.sync_ref_model and self.use_peft:
+            raise ValueError("sync_ref_model needs full fine-tuning: with use_peft the reference is the base model "
+                             "with the adapters off, which no copy holds (TRL refuses it too)")
+        if not 0 <= self.ref_model_mixup_alpha <= 1:
+            raise ValueError(f"ref_model_mixup_alpha must be in [0, 1], got {self.ref_model_mixup_alpha!r}")
+        if self.ref_model_sync_steps < 1:
+            raise ValueError(f"ref_model_sync_steps must be >= 1, got {self.ref_model_sync_steps!r}")
+        if self.num_generations_eval is not None:
+            if self.num_generations_eval < 1:
+                raise ValueError(f"num_generations_eval must be None or >= 1, got {self.num_generations_eval!r}")
+            if self.num_generations_eval > 1 and self.eval_temperature == 0:
+                raise ValueError(f"num_generations_eval={self.num_generations_eval} with eval_temperature 0: greedy "
+                                 "completions of one prompt are all the same; set eval_temperature > 0")
 
     def _check_agents(self) -> None:
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
@@ -324,6 +372,25 @@ class TrainConfig:
                 if not isinstance(name, str) or not isinstance(spec, str):
                     raise ValueError(f"environment_factory: {{{name!r}: {spec!r}}} must map an environment name "
                                      "(str) to 'module:Class'")
+
+    def _check_sampling(self) -> None:
+        """min_p, repetition_penalty, and generation_kwargs' keys and values (each by the rule of the option it
+        overrides; temperature, top_p and top_k themselves are checked above)."""
+        overrides = self.generation_kwargs or {}
+        for key in overrides:
+            if key not in GENERATION_KWARGS:
+                hint = {"max_new_tokens": "max_completion_length", "max_tokens": "max_completion_length",
+                        "seed": "seed"}.get(key)
+                raise ValueError(f"generation_kwargs: {key!r} is not a sampling option fastgrpo has"
+                                 + (f" (set {hint} instead)" if hint else "")
+                                 + f"; it takes {', '.join(GENERATION_KWARGS)}")
+        values = [("min_p", "min_p", self.min_p), ("repetition_penalty", "repetition_penalty", self.repetition_penalty)]
+        values += [(f"generation_kwargs[{key!r}]", key, value) for key, value in overrides.items()]
+        for where, key, value in values:
+            what, check = GENERATION_KWARGS[key]
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (value is None and key == "min_p" or number and check(value)):
+                raise ValueError(f"{where} must be {what}, got {value!r}")
 
     def _check_importance_sampling(self) -> None:
         """TRL's checks of its vllm_importance_sampling_clip_min / _max, plus: the bounds are ratios, so >= 0."""

@@ -95,9 +95,10 @@ from fastgrpo.train.rollout import (
 )
 from fastgrpo.train.run_dir import RunDir
 from fastgrpo.train.schedule import lr_scheduler
-from fastgrpo.train.tools import RolloutError, ToolCounts, check_rollout
+from fastgrpo.train.tools import RolloutError, ToolChat, ToolCounts, check_rollout
 
 PLAN_FILE = "memory_plan.txt"
+REFERENCE_FILE = "reference.safetensors"  # a checkpoint's reference model, with sync_ref_model
 # Dataset columns that do not reach reward functions as keywords (TRL's, and the keywords the trainer passes).
 RESERVED_REWARD_ARGS = ("prompt", "completion", "prompts", "completions", "completion_ids", "trainer_state",
                         "log_extra", "log_metric", "environments")
@@ -105,7 +106,7 @@ RESERVED_REWARD_ARGS = ("prompt", "completion", "prompts", "completions", "compl
 
 # What a checkpoint holds and a resumed run therefore cannot change.
 RESUME_FIXED = ("model_name_or_path", "use_peft", "lora_r", "lora_alpha", "lora_target_modules", "load_in_4bit",
-                "optim", "bf16")
+                "optim", "bf16", "sync_ref_model")
 
 
 class Sampled(NamedTuple):
@@ -148,6 +149,18 @@ class RankRound(NamedTuple):
     preemptions: int
     logged_metrics: dict  # the reward functions' log_metric values
     logged_columns: dict  # the reward functions' log_extra columns
+
+
+def completion_messages(tokenizer, completion_ids: list[list[int]], prompt_ids: list[list[int]],
+                        conversational: bool) -> list:
+    """Completions without tools as reward functions get them, as TRL 1.16's _generate makes them: the decoded text
+    (special tokens dropped) for text prompts; for conversational ones one assistant message, parsed with the
+    tokenizer's response_template when it ships one (reasoning_content apart, the EOS dropped), else the text."""
+    if conversational and getattr(tokenizer, "response_template", None) is not None:
+        chat = ToolChat(tokenizer, tokenizer.response_template)
+        return [[chat.parse(ids, prompt, None)] for ids, prompt in zip(completion_ids, prompt_ids, strict=True)]
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
 
 
 def seed_for(*key) -> int:
@@ -310,6 +323,10 @@ class Trainer:
         sharded = resume_from is not None and checkpoint.is_sharded(resume_from)
         self.model = load_policy(config, self.device, None if sharded else resume_from)
         self.ref_model = load_reference(config, self.device)
+        if config.disable_dropout:  # as TRL: every torch.nn.Dropout (LoRA's included) of both models
+            for module in [*self.model.modules(), *(self.ref_model.modules() if self.ref_model is not None else [])]:
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
         self.packed = find_hf_model(self.model).config._attn_implementation in PACKED_ATTENTION
         self.stop_token_ids = stop_token_ids(self.model, self.tokenizer)
         self.head = check_head(find_hf_model(self.model))  # {logit_scale, logit_softcap}
@@ -328,6 +345,8 @@ class Trainer:
         self.optimizer = make_optimizer(config, self.parameters)
         self.optimizer_steps_per_round = config.num_iterations * config.steps_per_generation // (
             config.gradient_accumulation_steps)
+        if config.sync_ref_model:
+            self.optimizer.register_step_post_hook(self._sync_reference)
         total = config.max_steps * self.optimizer_steps_per_round
         self.scheduler = lr_scheduler(config.lr_scheduler_type, self.optimizer, math.ceil(config.warmup_ratio * total),
                                       total)
@@ -347,6 +366,9 @@ class Trainer:
             self.step, self.num_tokens, self.seconds = state["step"], state["num_tokens"], state["seconds"]
             self.initial_accuracy = state["initial_accuracy"]
             self.order.load_state_dict(state["data"])
+            if config.sync_ref_model:
+                checkpoint.load_full_state(resume_from / REFERENCE_FILE, self.ref_model)
+        self.optimizer_steps_done = self.step * self.optimizer_steps_per_round  # (sync_ref_model's clock)
 
     def _parallelize(self) -> torch.nn.Module:
         """The module the update calls: the policy itself (one process), wrapped by DDP, or sharded by FSDP2 (the
@@ -461,10 +483,10 @@ class Trainer:
     def _plain_sampled(self, data: Prompts, mine: list[int], groups: list[list[Completion]]) -> Sampled:
         """Engine groups of the prompts `mine` as reward functions get them (text, or one assistant message)."""
         samples = [i for i in mine for _ in range(len(groups[0]))]
-        texts = self.tokenizer.batch_decode([c.token_ids for group in groups for c in group], skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if data.conversational else texts
-        return Sampled(groups, [data.token_ids[i] for i in samples], [data.prompts[i] for i in samples], completions,
-                       {}, ToolCounts())
+        prompt_ids = [data.token_ids[i] for i in samples]
+        completions = completion_messages(self.tokenizer, [c.token_ids for group in groups for c in group], prompt_ids,
+                                          data.conversational)
+        return Sampled(groups, prompt_ids, [data.prompts[i] for i in samples], completions, {}, ToolCounts())
 
     def _round(self, picked: list[int], params: SamplingParams, first_group: int = 0) -> list[RankRound]:
         """The groups of train prompts `picked`, sampled (this rank's share) and scored, gathered to every rank in
@@ -555,15 +577,18 @@ class Trainer:
         return bool(group_advantages(rewards, len(rewards), "none")[2][0])
 
     def _groups_of(self, parts: list[RankRound]) -> list[tuple[list[Completion], RankRound]]:
-        """Each group of gathered parts as a RankRound of its own."""
+        """Each group of gathered parts as a RankRound of its own (a part's tool counts, preemptions and logged
+        metrics go with its first group)."""
         G, out = self.config.num_generations, []
         for part in parts:
             for g, group in enumerate(part.groups):
                 rows = slice(g * G, (g + 1) * G)
                 columns = {k: v[rows] for k, v in part.logged_columns.items()}
-                out.append((group, RankRound([group], part.prompt_ids[rows], part.tool_counts if g == 0 else
-                                             ToolCounts(), part.per_func[rows], part.rewards[rows], 0,
-                                             part.logged_metrics if g == 0 else {}, columns)))
+                first = g == 0
+                out.append((group, RankRound([group], part.prompt_ids[rows], part.tool_counts if first else
+                                             ToolCounts(), part.per_func[rows], part.rewards[rows],
+                                             part.preemptions if first else 0, part.logged_metrics if first else {},
+                                             columns)))
         return out
 
     def _call_rollout_func(self, data: Prompts, mine: list[int], n: int) -> Sampled:
@@ -585,12 +610,25 @@ class Trainer:
         masks = output.get("env_mask") or [[1] * len(c) for c in ids]
         completions = [Completion(c, [math.nan] * len(c) if logprobs is None else logprobs[k],
                                   "stop" if c[-1] in ends else "length", masks[k]) for k, c in enumerate(ids)]
-        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         columns = {key: value if isinstance(value, list) else [value] * len(samples) for key, value in output.items()
                    if key not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
         return Sampled([completions[g * n : (g + 1) * n] for g in range(len(mine))], output["prompt_ids"], prompts,
-                       [[{"role": "assistant", "content": t}] for t in texts] if data.conversational else texts,
-                       columns, ToolCounts())
+                       completion_messages(self.tokenizer, ids, output["prompt_ids"], data.conversational), columns,
+                       ToolCounts())
+
+    def _sampling_params(self, seed: int, evaluation: bool = False) -> SamplingParams:
+        """The sampler's options, generation_kwargs' overriding the config's (TRL's rule). Its temperature is the
+        training samples' only: the loss still divides by `temperature` (as TRL's does), and evaluation samples at
+        eval_temperature."""
+        config = self.config
+        options = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
+                       repetition_penalty=config.repetition_penalty)
+        options |= config.generation_kwargs or {}
+        if evaluation:
+            options["temperature"] = config.eval_temperature
+        options["min_p"] = options["min_p"] or 0.0  # TRL's None is off
+        return SamplingParams(**options, max_new_tokens=config.max_completion_length,
+                              stop_token_ids=self.stop_token_ids, seed=seed)
 
     def train_step(self) -> dict:
         config, G = self.config, self.config.num_generations
@@ -598,9 +636,7 @@ class Trainer:
         timer = Timer()
 
         # 1. sample (this rank's prompt groups) and 2. score them; then every rank gets the whole round
-        params = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                                max_new_tokens=config.max_completion_length, stop_token_ids=self.stop_token_ids,
-                                seed=self._seed("sample"))
+        params = self._sampling_params(self._seed("sample"))
         dynamic = {}
         with self.world.together("sampling and rewards"), self._phase("sampling"):
             if config.dynamic_sampling:
@@ -812,29 +848,41 @@ class Trainer:
         if self.eval_prompts is None:
             return None
         config = self.config
-        params = SamplingParams(temperature=config.eval_temperature, top_p=config.top_p, top_k=config.top_k,
-                                max_new_tokens=config.max_completion_length, stop_token_ids=self.stop_token_ids,
-                                seed=seed_for("eval", config.seed))
+        params = self._sampling_params(seed_for("eval", config.seed), evaluation=True)
         data = self.eval_prompts
         with self.world.together("evaluation"):
-            sampled = self._sample(data, list(range(len(data.rows))), 1, params)
+            n = config.num_generations_eval or 1
+            sampled = self._sample(data, list(range(len(data.rows))), n, params)
             correct = 0.0
             if sampled is not None:
                 share = self.world.share(len(data.rows))
-                answers = [data.rows[i][data.answer_column] for i in share]
+                answers = [data.rows[i][data.answer_column] for i in share for _ in range(n)]
                 texts = [completion_text(c) for c in sampled.completions]  # with tools: the last assistant turn
                 correct = sum(accuracy(sampled.prompts, texts, answers))
-        return sum(self.world.gather(correct)) / len(self.eval_prompts.rows)
+        return sum(self.world.gather(correct)) / (len(self.eval_prompts.rows) * n)
+
+    def _sync_reference(self, optimizer, args, kwargs) -> None:
+        """sync_ref_model (TRL's SyncRefModelCallback): after every ref_model_sync_steps-th optimizer step of the
+        run, ref = alpha * policy + (1 - alpha) * ref, parameter by parameter (on each process's shards)."""
+        self.optimizer_steps_done += 1
+        if self.optimizer_steps_done % self.config.ref_model_sync_steps:
+            return
+        alpha = self.config.ref_model_mixup_alpha
+        with torch.no_grad():
+            for ref, policy in zip(self.ref_model.parameters(), self.model.parameters(), strict=True):
+                ref.mul_(1.0 - alpha).add_(policy, alpha=alpha)
 
     def save(self) -> Path:
         state = {"num_tokens": self.num_tokens, "seconds": self.seconds, "initial_accuracy": self.initial_accuracy,
                  "data": self.order.state_dict()}
+        # The reference that sync_ref_model moves is part of the run's state (gathered: a collective under FSDP2).
+        tensors = {REFERENCE_FILE: checkpoint.full_state(self.ref_model)} if self.config.sync_ref_model else None
         if self.parallelism is not None:  # sharded (FSDP2) or not, several processes write a DCP checkpoint
             return checkpoint.save_sharded(self.output_dir, self.step, self.world, self.model, self.tokenizer,
                                            self.optimizer, self.scheduler, state, self.config.save_total_limit,
-                                           export=self.step == self.config.max_steps)
+                                           export=self.step == self.config.max_steps, tensors=tensors)
         return checkpoint.save(self.output_dir, self.step, self.model, self.tokenizer, self.optimizer,
-                               self.scheduler, state, self.config.save_total_limit)
+                               self.scheduler, state, self.config.save_total_limit, tensors)
 
 
 # Metrics of a micro-batch that are not a mean over its loss tokens: how the shares of a global micro-batch combine.

@@ -1,6 +1,9 @@
 """TRL 1.16 options of the run (not the loss): sync_ref_model / ref_model_mixup_alpha / ref_model_sync_steps,
 disable_dropout, num_generations_eval. Each against TRL's own code where TRL has code for it, and its refusals."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -91,3 +94,23 @@ def test_num_generations_eval_averages_over_samples(assets, tmp_path):
 def test_refusals(options, error):
     with pytest.raises(ValueError, match=error):
         TrainConfig(model_name_or_path="builtin", dataset_name="builtin", **options)
+
+
+def test_streamed_data_in_stream_order_and_exact_resume(assets, tmp_path, monkeypatch):
+    """dataset_streaming: the train rows are taken in the file's order (a stream is not shuffled), prepared as the
+    run reaches them; the held-out prompts are the test split's first eval_num_samples; a resumed run continues the
+    stream where it was and ends as the unbroken one."""
+    trainer = Trainer(make_config(assets, tmp_path / "order", dataset_streaming=True, max_steps=2))
+    rows = [json.loads(line) for line in (Path(assets["data"]) / "train.jsonl").read_text().splitlines()]
+    assert len(trainer.train_prompts.rows) < len(rows)  # not read whole
+    picked = trainer.order.next(5)
+    assert [trainer.train_prompts.rows[i]["prompt"] for i in picked] == [r["prompt"] for r in rows[:5]]
+    held_out = [json.loads(line) for line in (Path(assets["data"]) / "test.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in trainer.eval_prompts.rows] == [r["prompt"] for r in held_out[:8]]
+    killed_then_resumed(assets, tmp_path, monkeypatch, dataset_streaming=True, max_steps=4, save_steps=2)
+    assert_same_metrics(read_metrics(tmp_path / "a" / "run"), read_metrics(tmp_path / "b" / "run"))
+
+
+def test_streaming_refuses_the_builtin_task():
+    with pytest.raises(ValueError, match="dataset_streaming reads a dataset as a stream"):
+        TrainConfig(model_name_or_path="builtin", dataset_name="builtin", dataset_streaming=True)

@@ -91,6 +91,10 @@ class TrainConfig:
     dataset_name: str | None = option(
         None, f"a .jsonl/.json/.parquet file, a `datasets` hub name, or '{BUILTIN}' (the synthetic arithmetic task)")
     dataset_config: str | None = option(None, "the dataset's configuration name (hub datasets)")
+    dataset_streaming: bool = option(
+        False, "read the data as a stream (`datasets` streaming: a hub dataset is not downloaded whole): rows in the "
+               "stream's order, not shuffled, read again at its end; the held-out prompts are the test split's first "
+               "eval_num_samples")
     dataset_train_split: str = option("train", "split to train on")
     dataset_test_split: str | None = option("test", "held-out split for evaluation; a file for file datasets")
     prompt_column: str = option("prompt", "column holding the prompt: a string, or a list of {role, content} "
@@ -194,6 +198,24 @@ class TrainConfig:
     entropy_coef: float = option(
         0.0, "entropy bonus: the loss minus entropy_coef times the mean token entropy of each micro-batch (TRL's "
              "static entropy_coef; never divided by the loss type's normaliser); 0 is off")
+    top_entropy_quantile: float = option(
+        1.0, "keep the policy term only on the tokens whose entropy is in this top share of each micro-batch's loss "
+             "tokens (Beyond the 80/20 Rule's rho, 0.2 there); the entropy bonus then averages over those tokens too; "
+             "1 keeps all")
+    off_policy_mask_threshold: float | None = option(
+        None, "drop the sequences with a negative advantage whose mean KL(sampling || current) over their tokens "
+              "exceeds this (DeepSeek-V3.2's off-policy sequence mask, e.g. 0.5); None is off")
+    use_adaptive_entropy: bool = option(
+        False, "adaptive entropy control (Skywork-OR1): entropy_coef is the starting coefficient, raised by "
+               "entropy_coef_delta after each optimizer step whose entropy is at or below entropy_target, else lowered; "
+               "applied only while the last step's entropy is at or below the target")
+    entropy_coef_min: float = option(0.0, "use_adaptive_entropy: the lowest coefficient")
+    entropy_coef_max: float = option(1.0, "use_adaptive_entropy: the highest coefficient")
+    entropy_coef_delta: float = option(0.005, "use_adaptive_entropy: the change of the coefficient per optimizer step")
+    entropy_target: float = option(
+        0.2, "use_adaptive_entropy: the mean token entropy (nats) to hold, measured over the bonus's tokens (all loss "
+             "tokens, or the top_entropy_quantile ones); language models start at 2-10, so set it near the logged "
+             "entropy")
     importance_sampling_correction: bool = option(
         False, "weight the policy term by the truncated ratio of training to sampler probabilities (TRL's "
                "vllm_importance_sampling_correction, on in TRL); off here because fastgrpo samples with the policy "
@@ -303,6 +325,9 @@ class TrainConfig:
                 "; only an environment_factory can do without: its reset() writes the prompts"))
         self._check_agents()
         self._check_reference_and_eval()
+        if self.dataset_streaming and self.dataset_name in (None, BUILTIN):
+            raise ValueError(f"dataset_streaming reads a dataset as a stream; dataset_name {self.dataset_name!r} is "
+                             "not one (give a hub dataset or a file)")
         if self.load_in_4bit and not self.use_peft:
             raise ValueError("load_in_4bit needs use_peft: a 4-bit base is frozen, so train LoRA adapters on it "
                              "(--use-peft)")

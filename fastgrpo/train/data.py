@@ -48,13 +48,14 @@ class Prompts:
 class Rows(list):
     """A split's rows (dicts) that remember where they came from, so that errors can name the file and line."""
 
-    def __init__(self, rows: list[dict], source: str, lines: list[int] | None = None):
+    def __init__(self, rows: list[dict], source: str, lines: list[int] | None = None, start: int = 0):
         super().__init__(rows)
         self.source = source  # a file path, a hub dataset and split, or the built-in task
         self.lines = lines  # per row, its line in a JSON Lines file
+        self.start = start  # rows of the split before these (a streamed split's later rows)
 
     def where(self, i: int) -> str:
-        return f"{self.source}, row {i + 1}" + (f" (line {self.lines[i]})" if self.lines else "")
+        return f"{self.source}, row {self.start + i + 1}" + (f" (line {self.lines[i]})" if self.lines else "")
 
 
 def _read_json(path: Path) -> Rows:
@@ -151,6 +152,96 @@ def load_rows(config: TrainConfig, split: str) -> Rows | None:
     if path.suffix in FILE_FORMATS or is_local_path(name):
         raise FileNotFoundError(f"dataset_name: {name} does not exist (a local path, so the hub was not asked)")
     return _read_hub(config, split_name)
+
+
+def stream_rows(config: TrainConfig, split: str):
+    """dataset_streaming: the rows of a split as a `datasets` IterableDataset (hub datasets stream; local files and
+    folders are read as they are reached), or None for a held-out split the config does not have."""
+    import datasets
+
+    name = config.dataset_name
+    split_name = config.dataset_train_split if split == "train" else config.dataset_test_split
+    if split_name is None:
+        return None
+    path = Path(name).expanduser()
+    if path.is_file():  # one file: the train split; the held-out one is the file dataset_test_split names
+        path = path if split == "train" else Path(split_name)
+        source = dict(path="parquet" if path.suffix == ".parquet" else "json", data_files=str(path), split="train")
+    elif path.is_dir():
+        source = dict(path="parquet" if path.suffix == ".parquet" else "json",
+                      data_files={split_name: str(_split_file(path, split_name))}, split=split_name)
+    else:
+        source = dict(path=name, name=config.dataset_config, split=split_name)
+    try:
+        return datasets.load_dataset(**source, streaming=True)
+    except Exception as e:  # no network, no such dataset, config or split
+        raise not_loadable("dataset_name", name, e, datasets.config.HF_DATASETS_CACHE,
+                           datasets.config.HF_HUB_OFFLINE) from e
+
+
+class StreamedPrompts(Prompts):
+    """A streamed train split (dataset_streaming): rows read, checked and tokenized as the run reaches them, in the
+    stream's order (a stream is not shuffled, as TRL leaves an IterableDataset), read again from its start at its
+    end. `fill(n)` makes the first n available; indices count rows from the start of the run."""
+
+    CHUNK = 256  # rows read and prepared at once
+
+    def __init__(self, config: TrainConfig, tokenizer, tools: Callable[[dict], list] | None = None):
+        super().__init__([], [], [], None)
+        self.config, self.tokenizer, self.tools = config, tokenizer, tools
+        self.stream = stream_rows(config, "train")
+        self.source = f"the streamed train split of {config.dataset_name}"
+        self._rows, self.epoch = iter(self.stream), 0
+        self.fill(1)
+        self.answer_column = answer_column(config, Rows(self.rows[:1], self.source))
+
+    def fill(self, n: int) -> None:
+        while len(self.rows) < n:
+            chunk = []
+            while len(chunk) < max(n - len(self.rows), self.CHUNK):
+                row = next(self._rows, None)
+                if row is None:  # the end of the stream: from its start again
+                    if not self.rows and not chunk:
+                        raise ValueError(f"dataset_name: {self.source} holds no rows")
+                    self._rows, self.epoch = iter(self.stream), self.epoch + 1
+                    break
+                chunk.append(row)
+            if chunk:
+                answers = answer_column(self.config, Rows(chunk, self.source)) if not self.rows else self.answer_column
+                more = prepare(Rows(chunk, self.source, start=len(self.rows)), self.tokenizer, self.config, "train",
+                               answers, self.tools)
+                self.rows += more.rows
+                self.token_ids += more.token_ids
+                self.prompts += more.prompts
+
+
+class StreamOrder:
+    """PromptOrder for a StreamedPrompts: the next prompts in the stream's order; resumable from the index."""
+
+    def __init__(self, prompts: StreamedPrompts):
+        self.prompts, self.index = prompts, 0
+
+    @property
+    def epoch(self) -> int:
+        return self.prompts.epoch
+
+    def next(self, k: int) -> list[int]:
+        picked = self.peek(k)
+        self.index += k
+        return picked
+
+    def peek(self, k: int) -> list[int]:
+        self.prompts.fill(self.index + k)
+        return list(range(self.index, self.index + k))
+
+    def epochs_done(self) -> float:
+        return float(self.epoch)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.index = state["index"]
 
 
 def answer_column(config: TrainConfig, rows: Rows) -> str | None:
@@ -317,6 +408,10 @@ class PromptOrder:
             picked += self._order[self.index : self.index + take]
             self.index += take
         return picked
+
+    def epochs_done(self) -> float:
+        """Epochs of the data trained on, a fraction for the one under way (TrainerState's epoch)."""
+        return self.epoch + self.index / self.num_prompts
 
     def peek(self, k: int) -> list[int]:
         """The next k prompts, not taken: next(m) then takes the first m of them."""

@@ -51,7 +51,18 @@ from fastgrpo.sizes import GiB, parse_size
 from fastgrpo.train import checkpoint, distributed, run_dir
 from fastgrpo.train.agent import Agent
 from fastgrpo.train.config import TrainConfig, flag, train_dtype
-from fastgrpo.train.data import PromptOrder, Prompts, answer_column, eval_subset, load_rows, prepare
+from fastgrpo.train.data import (
+    PromptOrder,
+    Prompts,
+    Rows,
+    StreamedPrompts,
+    StreamOrder,
+    answer_column,
+    eval_subset,
+    load_rows,
+    prepare,
+    stream_rows,
+)
 from fastgrpo.train.loading import (
     PACKED_ATTENTION,
     check_head,
@@ -183,6 +194,9 @@ def model_loss_options(config: TrainConfig, head: dict) -> LossConfig:
     """The loss options with the model's logit transform `head`. TRL's entropy bonus is a micro-batch mean divided by
     gradient_accumulation_steps, never by the loss type's normaliser; dapo / cispo losses are not divided by
     gradient_accumulation_steps (their num_items_in_batch spans the optimizer step), so their coefficient is."""
+    from fastgrpo.train.policy_loss import check_options
+
+    check_options(config)  # TRL's masks and adaptive entropy control
     options = dataclasses.replace(config.loss_options(), **head)
     if config.loss_type in TOKEN_NORMALISED_LOSS_TYPES:
         options = dataclasses.replace(options, entropy_coef=config.entropy_coef / config.gradient_accumulation_steps)
@@ -304,12 +318,21 @@ class Trainer:
             except ValueError as e:
                 raise ValueError(f"rollout_func: {str(e).removeprefix('reward function ')}") from None
         shown = None if self.agent is None else self.agent.tools_for  # the tools each prompt shows the model
-        train_rows = load_rows(config, "train")
-        answers = answer_column(config, train_rows)
-        self.train_prompts = prepare(train_rows, self.tokenizer, config, "train", answers, shown)
-        eval_rows = load_rows(config, "test") if answers is not None else None  # pass@1 needs reference answers
-        self.eval_prompts = None if eval_rows is None else eval_subset(
-            prepare(eval_rows, self.tokenizer, config, "held-out", answers, shown), config.eval_num_samples)
+        if config.dataset_streaming:  # rows read as the run reaches them; the held-out split's first ones
+            self.train_prompts = StreamedPrompts(config, self.tokenizer, shown)
+            answers = self.train_prompts.answer_column
+            stream = stream_rows(config, "test") if answers is not None else None
+            eval_rows = None if stream is None else Rows(list(stream.take(config.eval_num_samples)),
+                                                         f"the streamed held-out split of {config.dataset_name}")
+            self.eval_prompts = None if eval_rows is None else prepare(eval_rows, self.tokenizer, config, "held-out",
+                                                                       answers, shown)
+        else:
+            train_rows = load_rows(config, "train")
+            answers = answer_column(config, train_rows)
+            self.train_prompts = prepare(train_rows, self.tokenizer, config, "train", answers, shown)
+            eval_rows = load_rows(config, "test") if answers is not None else None  # pass@1 needs reference answers
+            self.eval_prompts = None if eval_rows is None else eval_subset(
+                prepare(eval_rows, self.tokenizer, config, "held-out", answers, shown), config.eval_num_samples)
         self._plan_memory()  # before anything that depends on the micro-batch, which --auto-fit may change
         config = self.config
         extra = [] if self.agent is None else self.agent.reward_functions
@@ -351,7 +374,8 @@ class Trainer:
         self.scheduler = lr_scheduler(config.lr_scheduler_type, self.optimizer, math.ceil(config.warmup_ratio * total),
                                       total)
 
-        self.order = PromptOrder(len(self.train_prompts.rows), config.seed)
+        self.order = (StreamOrder(self.train_prompts) if config.dataset_streaming
+                      else PromptOrder(len(self.train_prompts.rows), config.seed))
         self.step, self.num_tokens, self.seconds, self.initial_accuracy = 0, 0, 0.0, None
         # Functions of a phase's name ("sampling", "logprobs", "train") returning a context manager, entered around
         # that phase of train_step: how a measurement attributes what it counts (fastgrpo.bench.memory_trace).
@@ -473,7 +497,10 @@ class Trainer:
             if self.rollout_func is not None:
                 return self._call_rollout_func(data, mine, n)
             if self.agent is not None:
-                done = self.agent.generate(self.engine, [data.rows[i] for i in mine], [data.prompts[i] for i in mine],
+                # reset(**row) gets every column, None where the row has none (as rows of a `datasets` table)
+                keys = dict.fromkeys(k for row in data.rows for k in row)
+                rows = [{k: data.rows[i].get(k) for k in keys} for i in mine]
+                done = self.agent.generate(self.engine, rows, [data.prompts[i] for i in mine],
                                            [data.token_ids[i] for i in mine], streams, n, params)
                 columns = {} if done.environments is None else {"environments": done.environments}
                 return Sampled(done.groups, done.prompt_ids, done.prompts, done.messages, columns, done.counts)
@@ -734,7 +761,7 @@ class Trainer:
             from transformers import TrainerState
 
             state = TrainerState(global_step=(self.step - 1) * per_round, max_steps=self.config.max_steps * per_round,
-                                 epoch=self.order.epoch + self.order.index / len(data.rows))
+                                 epoch=self.order.epochs_done())
         return self.rewards(sampled.prompts, sampled.completions, completion_ids, columns, state)
 
     def _log_completions(self, samples: list[int], completion_ids: list[list[int]], per_func: torch.Tensor,
@@ -758,32 +785,58 @@ class Trainer:
     def _update(self, rollout: Rollout) -> dict:
         """num_iterations passes over the round. Each global micro-batch (per_device_train_batch_size * K samples
         of the plan one process would make) is cut into K shares; rank r trains on share r with the loss scaled so
-        that the gradients, averaged over ranks by DDP / FSDP, are those of the whole micro-batch."""
+        that the gradients, averaged over ranks by DDP / FSDP, are those of the whole micro-batch.
+
+        TRL's token masks (top_entropy_quantile, off_policy_mask_threshold) go to the loss as TokenMasks, with the
+        global micro-batch's share token counts: its entropy quantile and the bonus's token count are then what one
+        process computes on the whole micro-batch. Every micro-batch of an optimizer step applies the entropy
+        coefficient the step starts with: entropy_coef, or with use_adaptive_entropy `self.entropy_control`'s, which
+        the step's entropy over its bonus tokens (all micro-batches, all ranks: one exchange) then updates."""
+        from fastgrpo.train.policy_loss import BONUS_ENTROPY, TokenMasks
+
         config, world = self.config, self.world
         self.train_module.train()
-        size = config.per_device_train_batch_size
+        size, K = config.per_device_train_batch_size, world.size
         lengths = [len(p) + len(c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids, strict=True)]
         tokens = [sum(m) for m in rollout.loss_mask]  # loss tokens per sample
         # TRL's dapo/cispo normaliser: the loss tokens of the round, spread over its optimizer steps.
         num_items = sum(tokens) * config.gradient_accumulation_steps / config.steps_per_generation
         token_normalised = config.loss_type in TOKEN_NORMALISED_LOSS_TYPES
-        metrics, weights, losses, grad_norms = defaultdict(list), [], [], []
+        control = self.entropy_control if config.use_adaptive_entropy else None
+        bonus = config.entropy_coef != 0.0 or control is not None  # TRL's _entropy_bonus_enabled: logs policy_loss
+        masked = config.top_entropy_quantile < 1.0 or config.off_policy_mask_threshold is not None
+        per_step = 1 / config.gradient_accumulation_steps if token_normalised else 1.0  # as model_loss_options
+        metrics, weights, losses, grad_norms, coefficients = defaultdict(list), [], [], [], []
         for iteration in range(config.num_iterations):
             shuffle = torch.Generator().manual_seed(self._seed("shuffle", iteration))
             for step_batches in micro_batches(lengths, size * world.size, config.gradient_accumulation_steps,
                                               shuffle):
-                step_loss = 0.0
+                coef = config.entropy_coef if control is None else control.applied()
+                step_options = dataclasses.replace(self.loss_options, entropy_coef=coef * per_step)
+                step_loss, window = 0.0, []  # window: per micro-batch [entropy sum, count] over its bonus tokens
                 for j, whole in enumerate(step_batches):
                     index = whole[world.rank * size : (world.rank + 1) * size]
                     mb = micro_batch(rollout, index, self.device)
-                    scale, options = self._share_scale(whole, index, tokens)
+                    scale, options = self._share_scale(whole, index, tokens, step_options)
+                    masks = None
+                    if masked:  # the bonus is then the masks': this share's entropy over the global bonus tokens
+                        shares = tuple(sum(tokens[i] for i in whole[r * size : (r + 1) * size]) for r in range(K))
+                        sampled = None if rollout.sampling_logps is None else torch.nn.utils.rnn.pad_sequence(
+                            [rollout.sampling_logps[i] for i in index], batch_first=True).to(self.device)  # [b, T]
+                        masks = TokenMasks(config.top_entropy_quantile, config.off_policy_mask_threshold,
+                                           step_options.entropy_coef * K / scale if scale else 0.0,
+                                           shares if K > 1 else (), sampled)
+                        options = dataclasses.replace(options, entropy_coef=0.0)
                     last = j == len(step_batches) - 1
                     with nullcontext() if last or self.parallelism != "ddp" else self.train_module.no_sync():
                         loss, micro_metrics = self.train_module(
-                            mb, options, num_items if token_normalised else None)
-                        if options.entropy_coef != 0.0:  # TRL's policy_loss: the loss before the bonus
-                            micro_metrics["policy_loss"] = (loss + options.entropy_coef * micro_metrics["entropy"]
-                                                            ) * (scale / world.size)
+                            mb, options, num_items if token_normalised else None, masks)
+                        entropy = micro_metrics.pop(BONUS_ENTROPY, None)
+                        policy = micro_metrics.pop("policy_loss", None)
+                        if bonus:  # TRL's policy_loss: the loss before the bonus
+                            if policy is None:
+                                policy = loss + options.entropy_coef * micro_metrics["entropy"]
+                            micro_metrics["policy_loss"] = policy * (scale / world.size)
                         if not token_normalised:
                             loss = loss / config.gradient_accumulation_steps
                         (loss * scale).backward()
@@ -791,27 +844,42 @@ class Trainer:
                     for key, value in micro_metrics.items():
                         metrics[key].append(value.detach())
                     weights.append((sum(tokens[i] for i in index), len(index)))
+                    if control is not None:
+                        if entropy is None:  # the fused loss: the bonus tokens are the loss tokens
+                            n = micro_metrics["entropy"].new_tensor(float(sum(tokens[i] for i in index)))
+                            entropy = torch.stack([micro_metrics["entropy"] * n, n])
+                        window.append(entropy.detach())
                 max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
                 grad_norms.append(distributed.full_tensor(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)))
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 losses.append(step_loss)
+                if control is not None:
+                    summed, count = map(sum, zip(*world.gather(torch.stack(window).sum(0).tolist()), strict=True))
+                    control.update(summed / max(count, 1.0))
+                if bonus:
+                    coefficients.append(config.entropy_coef if control is None else control.coef)
         # One device sync (and with several processes one exchange) for all the metrics of the round.
         local = {"loss": torch.stack(losses).tolist(), "grad_norm": torch.stack(grad_norms).tolist(),
                  **{key: torch.stack(values).tolist() for key, values in metrics.items()}}
         merged = merge_metrics(world.gather((local, weights)), config.importance_sampling_level == "sequence")
-        return {key: nanmean(values) for key, values in merged.items()}
+        out = {key: nanmean(values) for key, values in merged.items()}
+        if coefficients:  # TRL's entropy_coef: the coefficient after each optimizer step (the same on every rank)
+            out["entropy_coef"] = nanmean(coefficients)
+        return out
 
-    def _share_scale(self, whole: list[int], index: list[int], tokens: list[int]) -> tuple[float, LossConfig]:
+    def _share_scale(self, whole: list[int], index: list[int], tokens: list[int],
+                     options: LossConfig | None = None) -> tuple[float, LossConfig]:
         """(the factor on this rank's share of a global micro-batch, its loss options) such that the gradients,
         averaged over K ranks, are those of one process's loss on the whole micro-batch (the loss type's
         LossType.share_scale). The entropy bonus is a mean over the micro-batch's tokens: factor K * (share's
-        tokens) / (micro-batch's tokens), folded into its coefficient where the loss's factor differs."""
+        tokens) / (micro-batch's tokens), folded into its coefficient where the loss's factor differs. `options`:
+        the step's loss options (default the run's; use_adaptive_entropy changes the coefficient by step)."""
         K = self.world.size
+        config = self.loss_options if options is None else options
         if K == 1:
-            return 1.0, self.loss_options
-        config = self.loss_options
+            return 1.0, config
         share = K * sum(tokens[i] for i in index) / max(sum(tokens[i] for i in whole), 1)
         scale = config.kind.share_scale(K, share)
         if config.entropy_coef != 0.0 and scale != 0.0 and share != scale:

@@ -8,8 +8,9 @@ tokens, GEMM 1 forms the logits, the row statistics give logp and entropy, `torc
 logits' gradient, and GEMMs 2 and 3 give dX and accumulate dW (fastgrpo/chunked.py). The backward only scales the
 saved dX, dW, db by grad_output (`_GradientInForward`): three GEMMs in all, no recompute.
 
-Sequence-level ratios (GSPO) need a whole sequence's logprobs before any of its gradients: chunks then hold whole
-sequences, and a sequence longer than a chunk takes two passes (its logprobs, then its chunks' logits again).
+Sequence-level ratios (GSPO) and VESPO's sequence weight (off-policy or with the sampler's ratios; on-policy without
+them it is 1) need a whole sequence's logprobs before any of its gradients: chunks then hold whole sequences, and a
+sequence longer than a chunk takes two passes (its logprobs, then its chunks' logits again).
 
 `head_logprobs` (behind fastgrpo.loss.token_logprobs): with no gradient one GEMM per chunk and the row statistics;
 with one, the backward forms each chunk's logits again (4 GEMMs in all), since the caller's loss is not known here.
@@ -39,7 +40,7 @@ class TokenInputs:
     ref_logps: torch.Tensor | None  # None: beta = 0
     importance_weights: torch.Tensor | None  # the sampler's IS correction of the policy term
     entropy_weights: torch.Tensor | None  # the entropy bonus: loss -= sum_n entropy_weights_n entropy_n
-    row_lengths: list[int] | None  # sequence level: scored tokens per row; token level: None
+    row_lengths: list[int] | None  # whole sequences: scored tokens per row; token by token: None
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def _unit_loss(logp, unit: _Unit, tokens: TokenInputs, config: LossConfig):
     """The unit's share of the loss, sum_n w_n mask_n l_n, from its logp [n]."""
     sl = slice(unit.start, unit.end)
     part = lambda t: None if t is None else t[sl]
-    if unit.lengths is None:  # token level: every token on its own, as one row [1, n]
+    if unit.lengths is None:  # token by token: every token on its own, as one row [1, n]
         rows = lambda t: None if t is None else t[None]
     else:  # whole sequences, right-padded to [r, L]
         lengths = torch.tensor(unit.lengths, device=logp.device)
@@ -150,6 +151,10 @@ def grpo_head_loss(hidden, weight, bias, completion_ids, completion_mask, advant
     B, T, H = hidden.shape
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     valid = completion_mask != 0  # [B, T]
+    # A token's objective reads its whole sequence's logprobs: GSPO's mean log-ratio, VESPO's summed one (constant 0
+    # on-policy, where VESPO's weight reads only the sampler's ratios, given per token)
+    whole_sequences = config.importance_sampling_level == "sequence" or (
+        config.kind.policy == "vespo" and (old_logps is not None or importance_weights is not None))
     if torch.compiler.is_compiling():  # every position, padding weighed 0: static shapes, no sync
         index = None
         x = torch.where(valid.reshape(-1, 1), hidden.reshape(-1, H), 0)  # [B T, H]
@@ -160,7 +165,7 @@ def grpo_head_loss(hidden, weight, bias, completion_ids, completion_mask, advant
         x = hidden.reshape(-1, H)[index]  # [N, H]
         ids = completion_ids.reshape(-1)[index]
         row_lengths = None
-        if config.importance_sampling_level == "sequence":
+        if whole_sequences:
             lengths = valid.sum(-1)  # [B]
             row_lengths = lengths[lengths > 0].tolist()
     select = lambda t: None if t is None else (t.reshape(-1) if index is None else t.reshape(-1)[index]).to(dtype)
@@ -175,7 +180,7 @@ def grpo_head_loss(hidden, weight, bias, completion_ids, completion_mask, advant
     tokens = TokenInputs(
         mask=select(mask), advantages=select(per_row), weights=select(weights), old_logps=select(old_logps),
         ref_logps=select(ref_logps), importance_weights=select(importance_weights), entropy_weights=entropy_weights,
-        row_lengths=row_lengths if config.importance_sampling_level == "sequence" else None,
+        row_lengths=row_lengths if whole_sequences else None,
     )  # fmt: skip
     wants_grad = _wants_grad(hidden, weight, bias)
     with torch.no_grad():

@@ -132,6 +132,10 @@ def _check_loss_inputs(like_name, like, completion_mask, advantages, old_logps, 
             raise ValueError(f"importance_weights must have shape [{B}], [{B}, 1] or [{B}, {T}], got "
                              f"{tuple(importance_weights.shape)}")
         _check_same_device(like_name, like, importance_weights=importance_weights)
+        if config.kind.policy == "vespo" and importance_weights.shape != (B, T):
+            raise ValueError(f"importance_weights must have shape [{B}, {T}] (per-token ratios; TRL's "
+                             "vllm_importance_sampling_mode 'token_truncate' or 'token_mask') for loss_type='vespo', "
+                             f"got {tuple(importance_weights.shape)}")
     if not isinstance(completion_mask, torch.Tensor) or completion_mask.shape != (B, T):
         raise ValueError(f"completion_mask must be a tensor of shape {(B, T)} (as {like_name}), got "
                          f"{tuple(getattr(completion_mask, 'shape', ()))}")

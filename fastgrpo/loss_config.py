@@ -11,6 +11,8 @@ class LossType:
     policy:     "clip"  -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) (r capped at delta); logs clip_ratio/*
                 "cispo" -sg(min(r, eps_high)) A logp; logs cispo_clip_ratio
                 "sapo"  -sigmoid(tau (r - 1)) 4 / tau A, tau by the advantage's sign
+                "vespo" -sg(phi(w)) A logp, phi(w) = exp(lam (1 - w)) w^k the gamma weight of the sequence's ratio w
+                        (k, lam by the advantage's sign); logs vespo/phi_seq_mean
     normaliser: "sequence"   each row's masked mean, then the mean over rows
                 "tokens"     the micro-batch's loss tokens
                 "max_length" rows x max_completion_length
@@ -21,7 +23,7 @@ class LossType:
     policy: str
     normaliser: str
 
-    POLICIES = ("clip", "cispo", "sapo")
+    POLICIES = ("clip", "cispo", "sapo", "vespo")
     NORMALISERS = ("sequence", "tokens", "max_length", "items", "rows")
 
     def __post_init__(self):
@@ -46,6 +48,7 @@ LOSS_TYPES = {
     "luspo": LossType("clip", "rows"),
     "cispo": LossType("cispo", "items"),
     "sapo": LossType("sapo", "sequence"),
+    "vespo": LossType("vespo", "items"),
 }
 # Loss types that clip the ratio PPO-style and log TRL's clip_ratio/* metrics.
 CLIP_LOSS_TYPES = tuple(name for name, kind in LOSS_TYPES.items() if kind.policy == "clip")
@@ -60,10 +63,11 @@ class LossConfig:
     """Options of the GRPO objective, named as in TRL's `GRPOConfig`.
 
     `epsilon_low` is TRL's `epsilon`; `epsilon_high=None` means equal to `epsilon_low` (TRL's rule). For `cispo`,
-    `epsilon_high` is the absolute cap of the importance weight (ScaleRL recommends 5.0). `max_completion_length` is
-    the `dr_grpo` normaliser. `sapo_temperature_*` are SAPO's gate temperatures. `entropy_coef` is TRL's static
-    entropy bonus: `loss - entropy_coef * (masked mean entropy)`. `logit_scale` and `logit_softcap` describe the model's
-    head (Cohere's `logit_scale`, Gemma 2's `final_logit_softcapping`): the logits the loss scores are
+    `epsilon_high` is the absolute cap of the importance weight (ScaleRL recommends 5.0). `max_completion_length` is the
+    `dr_grpo` normaliser. `sapo_temperature_*` are SAPO's gate temperatures. `vespo_k_*` and `vespo_lambda_*` are
+    VESPO's power and decay of its gamma weight, for advantages >= 0 (`_pos`) and < 0 (`_neg`). `entropy_coef` is TRL's
+    static entropy bonus: `loss - entropy_coef * (masked mean entropy)`. `logit_scale` and `logit_softcap` describe the
+    model's head (Cohere's `logit_scale`, Gemma 2's `final_logit_softcapping`): the logits the loss scores are
     `softcap * tanh(scale * (x W^T + b) / softcap) / temperature` (no tanh when `logit_softcap` is None).
     """
 
@@ -78,6 +82,10 @@ class LossConfig:
     max_completion_length: int = 512
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     entropy_coef: float = 0.0
     logit_scale: float = 1.0
     logit_softcap: float | None = None
@@ -104,7 +112,7 @@ class LossConfig:
             raise ValueError(f"loss_type must be one of {tuple(LOSS_TYPES)}, got {self.loss_type!r}")
         if self.epsilon_high is None:
             object.__setattr__(self, "epsilon_high", self.epsilon_low)
-        for name in ("epsilon_low", "epsilon_high", "beta"):
+        for name in ("epsilon_low", "epsilon_high", "beta", "vespo_k_pos", "vespo_k_neg"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -113,7 +121,8 @@ class LossConfig:
         if self.logit_softcap is not None and not (isinstance(self.logit_softcap, (int, float))
                                                    and math.isfinite(self.logit_softcap) and self.logit_softcap > 0):
             raise ValueError(f"logit_softcap must be None or a finite number > 0, got {self.logit_softcap!r}")
-        for name in ("temperature", "sapo_temperature_pos", "sapo_temperature_neg", "logit_scale"):
+        for name in ("temperature", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos",
+                     "vespo_lambda_neg", "logit_scale"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")

@@ -1,14 +1,16 @@
 """The plain-PyTorch reference: full logits, and the math of TRL 1.16's `GRPOTrainer._compute_loss`.
 
-It covers every loss type, token- and sequence-level ratios, the k3 KL (with TRL's bias correction), the static
-entropy bonus (`entropy_coef`), the sampler's truncated importance-sampling correction (`importance_weights`),
-`num_items_in_batch`, the model's logit scale and softcap, and TRL's metrics. Off-policy masks and entropy masks
-(TRL's `off_policy_mask_threshold`, `top_entropy_quantile`) act on the per-token loss before it reaches here: the
-TRL integration applies them to the mask. This module is the one home of the per-token objective
-(`token_objective`, which the default path differentiates chunk by chunk), of the loss types' normalisers
-(`row_weights`) and of the metrics (`grpo_loss`); it is the yardstick for every fast path in tests and benchmarks
-and the `FASTGRPO_BACKEND=reference` backend. It materializes the [..., V] logits, so it is neither fast nor small.
+It covers every loss type (VESPO's sequence weight in `vespo_weights`), token- and sequence-level ratios, the k3 KL
+(with TRL's bias correction), the static entropy bonus (`entropy_coef`), the sampler's truncated importance-sampling
+correction (`importance_weights`), `num_items_in_batch`, the model's logit scale and softcap, and TRL's metrics.
+Off-policy masks and entropy masks (TRL's `off_policy_mask_threshold`, `top_entropy_quantile`) act on the per-token loss
+before it reaches here: the TRL integration applies them to the mask. This module is the one home of the per-token
+objective (`token_objective`, which the default path differentiates chunk by chunk), of the loss types' normalisers
+(`row_weights`) and of the metrics (`grpo_loss`); it is the yardstick for every fast path in tests and benchmarks and
+the `FASTGRPO_BACKEND=reference` backend. It materializes the [..., V] logits, so it is neither fast nor small.
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +47,9 @@ def nan_reduce(x, fn):
 # The metrics that are means of a ratio indicator: per sequence when the ratio is (importance_sampling_level
 # "sequence" with one advantage per sequence), so shares of a batch combine them weighted by sequences, not tokens.
 RATIO_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")
+# VESPO's bounds on a log-ratio (TRL 1.16): the summed log-ratio lies in [log 1e-8, 20], and so does each log of a
+# sampler ratio (a ratio of 0, a token_mask-ed token, counts as 1e-8); each token's log-ratio lies in [-20, 20].
+VESPO_LOG_MIN, VESPO_LOG_MAX, VESPO_TOKEN_LOG_BOUND = math.log(1e-8), 20.0, 20.0
 
 
 def row_weights(mask, config: LossConfig, num_items_in_batch=None):
@@ -67,10 +72,38 @@ def row_weights(mask, config: LossConfig, num_items_in_batch=None):
     return (1.0 / norm).expand(B)
 
 
+def vespo_weights(logps, mask, advantages, old_logps, config: LossConfig, importance_weights=None):
+    """VESPO's weight of each sequence, phi [B, 1] ([B, T] for per-token advantages), detached: a constant factor of
+    the policy term's gradient. logps / mask / old_logps (None: logps, on-policy) [B, T], advantages [B, 1] or [B, T],
+    importance_weights (the sampler's per-token ratios pi_old / pi_sampler, folded into w) [B, T] or None.
+
+        log w   = clamp(sum_t mask_t clamp(logp_t - old_t, -20, 20) + sum_t log clamp(iw_t, 1e-8, e^20), log 1e-8, 20)
+        phi     = exp(lam + k log w - lam w) = e^lam w^k e^(-lam w), so phi(1) = 1
+        (k, lam) = (vespo_k_pos, vespo_lambda_pos) for advantages >= 0, else the _neg pair; lam at least 1e-4
+
+    phi is 0 where it overflows or is NaN (TRL's nan_to_num). Masked positions never reach the result."""
+    c = config
+    valid = mask != 0
+    logps = torch.where(valid, logps.detach(), 0.0)
+    old_logps = logps if old_logps is None else torch.where(valid, old_logps, 0.0)
+    log_ratio = torch.clamp(logps - old_logps, -VESPO_TOKEN_LOG_BOUND, VESPO_TOKEN_LOG_BOUND)  # [B, T]
+    log_w = (log_ratio * mask).sum(-1, keepdim=True)  # [B, 1]
+    if importance_weights is not None:
+        log_iw = torch.clamp(torch.log(importance_weights.to(log_w.dtype)), VESPO_LOG_MIN, VESPO_LOG_MAX)  # [B, T]
+        log_w = log_w + torch.where(valid, log_iw, 0.0).sum(-1, keepdim=True)
+    log_w = torch.clamp(log_w, VESPO_LOG_MIN, VESPO_LOG_MAX)
+    nonneg = advantages >= 0  # [B, 1] or [B, T]
+    pick = lambda pos, neg: torch.where(nonneg, log_w.new_tensor(pos), log_w.new_tensor(neg))  # in log_w's dtype
+    k, lam = pick(c.vespo_k_pos, c.vespo_k_neg), pick(c.vespo_lambda_pos, c.vespo_lambda_neg).clamp(min=1e-4)
+    log_phi = lam + k * log_w - lam * torch.exp(log_w)
+    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def token_objective(logps, mask, advantages, old_logps, ref_logps, config: LossConfig, importance_weights=None):
     """TRL's per-token objective before normalisation: logps / mask / old / ref [B, T], advantages and
     importance_weights (the sampler's truncated IS correction; None: 1) [B, 1] or [B, T] -> (per_token_loss [B, T]
-    (or [B, 1] broadcastable), per_token_kl [B, T] or None, coef_1).
+    (or [B, 1] broadcastable), per_token_kl [B, T] or None, coef_1). For vespo the importance weights ([B, T] only)
+    enter the sequence's weight phi (`vespo_weights`) instead of multiplying the policy term.
 
     Masked positions never reach the result: logprobs there (often -inf or NaN padding) count as 0."""
     c = config
@@ -100,10 +133,14 @@ def token_objective(logps, mask, advantages, old_logps, ref_logps, config: LossC
         if c.delta is not None:
             coef_1 = torch.clamp(coef_1, max=c.delta)
         loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    else:
-        assert policy == "sapo", policy
+    elif policy == "sapo":
         temperatures = torch.where(advantages > 0, c.sapo_temperature_pos, c.sapo_temperature_neg)
         loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * advantages
+    else:
+        assert policy == "vespo", policy
+        phi = vespo_weights(logps, mask, advantages, old_logps, c, importance_weights)  # [B, 1] or [B, T]
+        loss = -phi * advantages * logps
+        importance_weights = None  # already in phi
 
     if importance_weights is not None:
         loss = loss * torch.where(valid, importance_weights, 0.0) if importance_weights.shape == valid.shape else (
@@ -155,6 +192,9 @@ def grpo_loss(logps, completion_mask, advantages, *, old_logps=None, ref_logps=N
         metrics["clip_ratio/high_max"] = nan_reduce(masked_seq_mean(is_high), torch.max)
     elif c.kind.policy == "cispo":
         metrics["cispo_clip_ratio"] = global_masked_mean(((coef_1 > c.epsilon_high) & (advantages > 0)).to(mask.dtype))
+    elif c.kind.policy == "vespo":
+        phi = vespo_weights(logps, mask, advantages, old_logps, c, importance_weights)
+        metrics["vespo/phi_seq_mean"] = global_masked_mean(phi)
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 

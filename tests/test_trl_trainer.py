@@ -38,7 +38,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from fastgrpo.integrations.trl import REFUSALS, FastGRPOTrainer, check_trl_version  # noqa: E402
-from fastgrpo.loss_config import CLIP_LOSS_TYPES, LOSS_TYPES  # noqa: E402
+from fastgrpo.loss_config import CLIP_LOSS_TYPES, LOSS_TYPES, TOKEN_NORMALISED_LOSS_TYPES  # noqa: E402
 
 # Both trainers run in fp32 on the same completions; they differ only in how the logprobs and the loss are summed
 # (TRL: its chunked fused head dividing logits by T; fastgrpo: its chunked path multiplying
@@ -65,7 +65,7 @@ VOCAB_WORDS = 40  # + 3 special tokens: EOS (id 1) is sampled often enough that 
 PAD_ID, EOS_ID = 0, 1
 MAX_COMPLETION_LENGTH = 8
 BATCH, GROUP = 4, 4  # per-device batch (micro-batch) and completions per prompt
-METRIC_PREFIXES = ("kl", "entropy", "clip_ratio/", "cispo_clip_ratio")
+METRIC_PREFIXES = ("kl", "entropy", "clip_ratio/", "cispo_clip_ratio", "vespo/")
 
 # Per loss type: GRPOConfig options beyond the axes (each a LossConfig field of the same meaning).
 EXTRA = {
@@ -76,6 +76,7 @@ EXTRA = {
     "luspo": {"epsilon": 0.15, "temperature": 1.3},
     "cispo": {"epsilon": 0.2, "epsilon_high": 1.1, "temperature": 0.7},  # epsilon_high is CISPO's ratio cap
     "sapo": {"sapo_temperature_pos": 0.9, "sapo_temperature_neg": 1.2},
+    "vespo": {"vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5, "vespo_k_neg": 0.75, "vespo_lambda_neg": 4.0},
 }
 # (beta > 0, sequence level, num_iterations 2, accumulation 2): four rows whose complements complete a covering
 # array of strength 2 over the four axes.
@@ -84,7 +85,7 @@ _ROWS = [(0, 0, 0, 0), (0, 0, 1, 1), (0, 1, 0, 1), (0, 1, 1, 0)]
 
 def _axes(loss_type, row):
     beta, sequence, mu2, accumulate = row
-    per_generation = 4 if loss_type in ("dapo", "cispo") else 2
+    per_generation = 4 if loss_type in TOKEN_NORMALISED_LOSS_TYPES else 2
     return {"beta": 0.04 if beta else 0.0, "importance_sampling_level": "sequence" if sequence else "token",
             "num_iterations": 2 if mu2 else 1, "gradient_accumulation_steps": 2 if accumulate else 1,
             "steps_per_generation": per_generation if accumulate else 1}
@@ -650,7 +651,6 @@ def _processor():
 
 # (constructor options, text the error must hold, the REFUSALS entry it hits or None for a GRPOConfig check)
 UNSUPPORTED = [
-    pytest.param(dict(loss_type="vespo"), "loss_type='vespo'", None, id="vespo"),
     pytest.param(dict(entropy_coef=0.01, top_entropy_quantile=0.5), "entropy_coef=0.01 with top_entropy_quantile=0.5",
                  "entropy_coef", id="entropy_coef_top_entropy"),
     pytest.param(dict(use_adaptive_entropy=True), "use_adaptive_entropy=True", "entropy_coef", id="adaptive_entropy"),

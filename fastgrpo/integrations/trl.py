@@ -8,7 +8,8 @@ two of TRL's methods are replaced:
   _get_per_token_logps_and_entropies   old and reference logprobs: `fastgrpo.loss.token_logprobs`
   _compute_loss                        the loss: `fastgrpo.loss.fused_grpo_loss` (or `token_logprobs` + `grpo_loss`
                                        when a token mask needs the logprobs first: top_entropy_quantile < 1,
-                                       off_policy_mask_threshold), then TRL's gradient-accumulation scaling and metrics
+                                       off_policy_mask_threshold), then TRL's gradient-accumulation scaling, entropy
+                                       bonus (static or adaptive: TRL's controller and its state) and metrics
 
 Both read the final-norm hidden states from the (wrapped) model's own forward, `output_hidden_states=[-1]` with
 `logits_to_keep` an empty index, so the model produces no logits, and go through the lm_head weight without ever
@@ -71,14 +72,6 @@ from trl.trainer.utils import nanmax, nanmin  # noqa: E402
 __all__ = ["FastGRPOTrainer", "REFUSALS", "SUPPORTED_TRL", "check_trl_version"]
 
 
-def _entropy_bonus(args, *_):
-    if args.use_adaptive_entropy:
-        return f"use_adaptive_entropy=True (entropy_coef={args.entropy_coef})"
-    if args.entropy_coef != 0.0 and args.top_entropy_quantile < 1.0:
-        return f"entropy_coef={args.entropy_coef} with top_entropy_quantile={args.top_entropy_quantile}"
-    return None
-
-
 def _sharded_head(args=None, *_, trainer=None):
     if trainer is not None:
         fsdp_version = trainer.accelerator.state.fsdp_plugin.fsdp_version if trainer.is_fsdp_enabled else None
@@ -130,9 +123,6 @@ class Refusal:
 
 # What FastGRPOTrainer refuses, and why: read by the checks below and by the tests.
 REFUSALS = {
-    "entropy_coef": Refusal("fastgrpo applies TRL's static entropy bonus over the completion mask only (no adaptive "
-                            "coefficient, no top-entropy mask); set use_adaptive_entropy=False and "
-                            "top_entropy_quantile=1.0, or entropy_coef=0.0", _entropy_bonus, ("args",)),
     "fsdp1_zero3": Refusal("there the lm_head weight is whole only inside the lm_head's own forward (FSDP1's flat "
                            "parameters, ZeRO-3's partitions); use FSDP2: fsdp_config={'version': 2}", _sharded_head,
                            ("args", "trainer")),
@@ -273,8 +263,13 @@ class FastGRPOTrainer(GRPOTrainer):
         old_logps = inputs.get("old_per_token_logps")  # [B, T] or None: on-policy
         scale, accumulation = self._loss_scale(mode), self.current_gradient_accumulation_steps if mode == "train" else 1
         # TRL's entropy bonus is a mean over the tokens divided by the accumulation steps only, never by the loss
-        # type's normaliser: after `loss * scale` below it must be entropy_coef / accumulation.
-        bonus = self.loss_options.entropy_coef / (accumulation * scale)
+        # type's normaliser: after `loss * scale` below it must be the coefficient / accumulation. With
+        # use_adaptive_entropy the coefficient is TRL's controller's (self.entropy_coef, which TRL's checkpoints keep),
+        # applied while the last optimizer step's entropy was at or below entropy_target.
+        applied = self.entropy_coef
+        if self.use_adaptive_entropy and not self._last_world_entropy <= self.args.entropy_target:
+            applied = 0.0
+        bonus = applied / (accumulation * scale)
         config = dataclasses.replace(self.loss_options, entropy_coef=bonus)
         correct = self.use_vllm and self.vllm_importance_sampling_correction  # the sampler's truncated IS ratio
         loss_inputs = dict(
@@ -287,29 +282,58 @@ class FastGRPOTrainer(GRPOTrainer):
             # TRL multiplies the policy term (not the KL) by 0/1 token masks that need the logprobs first. Every loss
             # type's policy term is linear in the advantage given its sign, so zeroing the advantage is the same.
             logps, entropies = self._token_logprobs(hidden, weight, bias, completion_ids, mask != 0)  # [B, T]
-            keep = torch.ones_like(mask)  # [B, T]
+            keep, bonus_mask = torch.ones_like(mask), mask  # [B, T]; bonus_mask: TRL's effective_mask
             if self.top_entropy_quantile < 1.0:
-                keep = keep * self.get_high_entropy_mask(entropies.detach(), mask, 1 - self.top_entropy_quantile)
+                keep = self.get_high_entropy_mask(entropies.detach(), mask, 1 - self.top_entropy_quantile)
+                bonus_mask = mask * keep
             per_row = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # [B, 1] or [B, T]
             if self.off_policy_mask_threshold is not None:
                 sampling = inputs.get("sampling_per_token_logps", logps.detach() if old_logps is None else old_logps)
                 keep = keep * self.get_off_policy_mask(per_row, logps, sampling, mask, self.off_policy_mask_threshold)
-            loss, _ = grpo_loss(logps, mask, per_row * keep, entropies=entropies, **loss_inputs)
+            loss_inputs["config"] = dataclasses.replace(config, entropy_coef=0.0)  # the bonus is below
+            loss, _ = grpo_loss(logps, mask, per_row * keep, **loss_inputs)
             with torch.no_grad():  # TRL's clip metrics read the unmasked advantages
                 _, metrics = grpo_loss(logps.detach(), mask, advantages, entropies=entropies.detach(), **loss_inputs)
+            bonus_entropy = (entropies * bonus_mask).sum() / bonus_mask.sum().clamp(min=1.0)
+            if bonus != 0.0:
+                loss = loss - bonus * bonus_entropy
+            window = torch.stack([(entropies.detach() * bonus_mask).sum(), bonus_mask.sum().float()])
+            bonus_entropy = bonus_entropy.detach()
         else:
             with torch.autocast(hidden.device.type, enabled=False):
                 loss, metrics = fused_grpo_loss(hidden.to(weight.dtype), weight, completion_ids, mask, advantages,
                                                 bias=bias, **loss_inputs)
+            bonus_entropy, tokens = metrics["entropy"], mask.sum().float()
+            window = torch.stack([bonus_entropy * tokens, tokens])
         self._log_loss_metrics(metrics, mask, advantages, mode)
-        if config.entropy_coef != 0.0:  # TRL's policy_loss: the policy term as its normaliser leaves it
-            policy = (loss.detach() + config.entropy_coef * metrics["entropy"]) * scale
+        if self._entropy_bonus_enabled:  # TRL's policy_loss: the policy term as its normaliser leaves it
+            policy = (loss.detach() + bonus * bonus_entropy) * scale
             if self.loss_type not in TOKEN_NORMALISED_LOSS_TYPES:
                 policy = policy * accumulation
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy.reshape(1)).nanmean().item())
+            if self.use_adaptive_entropy and mode == "train":
+                self._adapt_entropy_coef(window)
             if mode == "train" and self.accelerator.sync_gradients:  # logged per optimizer step, as TRL
-                self._metrics[mode]["entropy_coef"].append(self.loss_options.entropy_coef)
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         return loss * scale
+
+    def _adapt_entropy_coef(self, window):
+        """TRL's adaptive entropy control: `window` [entropy sum, count] of a micro-batch's bonus tokens, summed over
+        the accumulation window; at its last micro-batch, summed over the processes, the window's mean entropy moves
+        the coefficient by entropy_coef_delta, up if at or below entropy_target, else down, within
+        [entropy_coef_min, entropy_coef_max]."""
+        stats = self._entropy_window_stats
+        self._entropy_window_stats = window if stats is None else stats + window
+        if not self.accelerator.sync_gradients:
+            return
+        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+        args = self.args
+        if entropy <= args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+        self._last_world_entropy, self._entropy_window_stats = entropy, None
 
     def _loss_scale(self, mode):
         """What turns fastgrpo's loss into TRL's: TRL divides by the accumulation steps in training, and for dapo /
@@ -334,7 +358,8 @@ class FastGRPOTrainer(GRPOTrainer):
                 gathered = self.accelerator.gather(value.reshape(1).float())
                 self._metrics[mode][name].append(_EXTREMES[name](gathered).item())
                 continue
-            per_sequence = T == 1 or (clip_per_sequence and name not in ("kl", "entropy"))
+            per_sequence = T == 1 or (clip_per_sequence and name not in ("kl", "entropy")) or (
+                name == "vespo/phi_seq_mean" and advantages.dim() == 1)  # one value per sequence
             count = torch.tensor(float(B), device=mask.device) if per_sequence else tokens
             totals = self.accelerator.reduce(torch.stack([value.float() * count, count]), reduction="sum")
             self._metrics[mode][name].append((totals[0] / totals[1].clamp(min=1.0)).item())

@@ -426,6 +426,11 @@ class TrainConfig:
         if low is not None and high is not None and not low < high:
             raise ValueError(f"importance_sampling_clip_min ({low}) must be less than importance_sampling_clip_max "
                              f"({high})")
+        if self.importance_sampling_correction and self.loss_type == "vespo" and (
+                self.importance_sampling_mode.startswith("sequence")):
+            raise ValueError(f"loss_type 'vespo' weighs each sequence by its own ratio, so importance_sampling_mode "
+                             f"{self.importance_sampling_mode!r} (a per-sequence correction) does not apply; use "
+                             "token_truncate or token_mask (TRL refuses it too)")
         if self.importance_sampling_correction and self.importance_sampling_mode.endswith("_truncate") and (
             low is None and high is None
         ):

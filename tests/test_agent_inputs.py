@@ -363,6 +363,8 @@ OPTIONS = [
      "--tools: the chat template cannot render a tool-calling conversation"),
     ("missing_template_file", ["--chat-template-path", "nowhere.jinja", "--tools", ":add"],
      "--chat-template-path: {in}/nowhere.jinja is not a file (a Jinja chat template)"),
+    ("prompt_cut_through_the_tools", ["--max-prompt-length", "20", "--tools", ":add"],
+     "{data}/train.jsonl, row 1 (line 1), prompt column 'prompt': the prompt, with its tools, has"),
 ]  # fmt: skip
 
 
@@ -374,7 +376,7 @@ def test_bad_agent_options_are_refused_in_one_line(agent_assets, tmp_path, capsy
     options = [agent_assets["functions"] + o if o.startswith(":") else
                str(inputs / o) if o.endswith(".jinja") else o for o in options]
     line = refused_before_the_run(capsys, agent_assets, tmp_path, *options)
-    assert line.startswith(said.replace("{in}", str(inputs))), line
+    assert line.startswith(said.replace("{in}", str(inputs)).replace("{data}", agent_assets["data"])), line
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ prompt that with max_completion_length does not fit the model's context window i
 be a path (starting with '.', '/' or '~') and does not exist is refused without asking the hub.
 """
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -341,6 +342,14 @@ def prepare(rows: Rows, tokenizer, config: TrainConfig, what: str, answers: str 
             row[answers] = _answer(row.get(answers), answers, config, rows.where(i))
         try:
             ids = prompt_token_ids(tokenizer, prompt, config, None if tools is None else tools(row))
+            if tools is not None and config.max_prompt_length and len(ids) == config.max_prompt_length:
+                whole = prompt_token_ids(tokenizer, prompt, dataclasses.replace(config, max_prompt_length=None),
+                                         tools(row))
+                if len(whole) > len(ids):  # cutting its start would cut the tools' descriptions out of the prompt
+                    raise ValueError(f"{where_prompt(rows, i, config)}: the prompt, with its tools, has {len(whole)} "
+                                     f"tokens, more than max_prompt_length={config.max_prompt_length}; with tools "
+                                     "prompts are not cut (the tool schemas come first): raise max_prompt_length or "
+                                     "set it to None (TRL does not cut prompts)")
         except (jinja2.TemplateError, TypeError, KeyError) as e:  # the template refused the messages (a role it lacks)
             message = " ".join(str(e).split())[:300]
             raise ValueError(f"{where_prompt(rows, i, config)}: the chat template of {config.model_name_or_path} "

@@ -239,6 +239,11 @@ class Trainer:
             self.folder.release(remove_new=True)
             raise
 
+    @property
+    def processing_class(self):
+        """The tokenizer, under TRL's name (a TRL rollout_func reads trainer.processing_class)."""
+        return self.tokenizer
+
     def _check_resume_options(self, saved: Path) -> None:
         """A resumed run keeps the model and the optimizer its checkpoints hold: an option that would change them is
         refused, naming the flag (the other options apply from the resumed step on)."""
@@ -592,7 +597,9 @@ class Trainer:
         metrics = {
             "dynamic/kept_groups": len(kept),
             "dynamic/drawn_groups": consumed,  # taken from the data: kept, and dropped before the last kept one
-            "dynamic/sampled_groups": started,  # also those sampled past the last kept one (wasted)
+            # = drawn_groups: no group starts past the last kept one (streamed, one starts per flat one finished;
+            # waves draw the groups still missing), so the stream's stop never drops a running group
+            "dynamic/sampled_groups": started,
             "dynamic/sampled_tokens": generated,
             "frac_reward_zero_std": len(flat) / max(consumed, 1),  # before filtering
         }

@@ -17,7 +17,7 @@ import yaml
 
 from fastgrpo.sizes import parse_size
 from fastgrpo.train import distributed
-from fastgrpo.train.config import BUILTIN, DEFAULT_RECIPE, TrainConfig, field_types, flag
+from fastgrpo.train.config import BUILTIN, DEFAULT_RECIPE, TRL_ONLY, TrainConfig, field_types, flag
 from fastgrpo.train.distributed import RankFailed
 
 DESCRIPTION = """\
@@ -63,6 +63,13 @@ def _default_help(f: dataclasses.Field, recipe: dict) -> str:
     return said
 
 
+class _TRLOnly(argparse.Action):
+    """A TRL GRPOConfig flag that fastgrpo train does not take: refused with the reason (config.TRL_ONLY)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: a TRL option fastgrpo train does not take: {TRL_ONLY[self.dest]}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="YAML file of options (e.g. recipes/gsm8k.yaml)")
     recipe = yaml.safe_load(DEFAULT_RECIPE.read_text())
@@ -85,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             if f.metadata.get("choices"):
                 kwargs.update(choices=f.metadata["choices"], metavar="{" + ",".join(f.metadata["choices"]) + "}")
         parser.add_argument(*names, **kwargs)
+    for name in TRL_ONLY:
+        parser.add_argument(flag(name), dest=name, nargs="?", action=_TRLOnly, default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
 
 
 def resolve_config(args: argparse.Namespace) -> TrainConfig:

@@ -39,6 +39,40 @@ GENERATION_KWARGS = {
 }
 
 
+_IN_PROCESS = "fastgrpo samples in-process with its own paged engine, on the policy's weights: there is no vLLM"
+# TRL GRPOConfig options that fastgrpo train does not take, and why (a YAML key or flag naming one is refused so).
+TRL_ONLY = {
+    **dict.fromkeys(("use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url",
+                     "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+                     "vllm_tensor_parallel_size"), _IN_PROCESS),
+    "vllm_gpu_memory_utilization": _IN_PROCESS + "; sampling_memory_fraction sizes its KV pool",
+    "vllm_max_model_length": _IN_PROCESS + "; a prompt with max_completion_length must fit the model's window",
+    "vllm_structured_outputs_regex": "the engine has no guided (regex-constrained) decoding",
+    "vllm_importance_sampling_correction": "named importance_sampling_correction here (default off: the sampler is "
+                                           "the policy itself)",
+    "vllm_importance_sampling_mode": "named importance_sampling_mode here",
+    "vllm_importance_sampling_clip_min": "named importance_sampling_clip_min here",
+    "vllm_importance_sampling_clip_max": "named importance_sampling_clip_max here",
+    "vllm_importance_sampling_cap": "TRL's old name of importance_sampling_clip_max",
+    **dict.fromkeys(("use_transformers_paged", "use_transformers_continuous_batching",
+                     "transformers_continuous_batching_config", "cache_implementation"),
+                    "the engine always runs a paged KV cache with continuous batching"),
+    "ds3_gather_for_generation": "no DeepSpeed: under FSDP2 the engine samples on the gathered weights",
+    "generation_batch_size": "it is per_device_train_batch_size x steps_per_generation here (set those)",
+    "model_init_kwargs": "the model's loading options are options here: bf16, attn_implementation, "
+                         "trust_remote_code, load_in_4bit",
+    "shuffle_dataset": "the data is always shuffled, a seeded permutation per epoch (a stream is read in order)",
+    "cast_lm_head_to_fp32": "always in effect: the fused head accumulates each chunk's logits in fp32",
+    "pad_to_multiple_of": "micro-batches are packed (flash-attn) or bucketed by length, not padded to a multiple",
+    "remove_unused_columns": "every dataset column reaches the reward functions (TRL's default, False)",
+    **dict.fromkeys(("num_completions_to_print", "log_unique_prompts"),
+                    "log_completions writes every prompt and completion to completions.jsonl"),
+    "log_completions_hub_repo": "fastgrpo uploads nothing to the hub",
+    "log_multimodal": "vision-language models are not supported",
+    "router_aux_loss_coef": "a mixture-of-experts router loss is not added to the GRPO loss",
+}
+
+
 def is_local_path(name: str) -> bool:
     """Whether a model or dataset name can only be a path: hub ids are 'name' or 'org/name' and never start with '.',
     '/' or '~', so such a name that does not exist is a misspelled path, not something to ask the hub for."""
@@ -472,6 +506,10 @@ class TrainConfig:
         if not isinstance(values, dict):
             raise ValueError(f"config file {path} must hold a mapping of option: value, got {type(values).__name__}")
         unknown = sorted(map(str, set(values) - {f.name for f in dataclasses.fields(cls)}))
+        trl = [name for name in unknown if name in TRL_ONLY]
+        if trl:
+            raise ValueError(f"config file {path}: {trl[0]}: a TRL option fastgrpo train does not take: "
+                             f"{TRL_ONLY[trl[0]]}")
         if unknown:
             raise ValueError(f"config file {path}: unknown options {unknown}")
         return cls(**{**values, **overrides})

@@ -3,8 +3,8 @@ token's logprob, from the lm_head's logits in their own dtype.
 
 What it computes is `fastgrpo.sampling.sampler.sample` without top-p, per row (logits x [V], uniform u):
 
-    z = x / temperature  (fp32, correctly rounded; greedy: z = x),  z_v = -inf where z_v < kth / temperature (top-k:
-    kth is the row's k-th largest logit, from torch.topk),  M = max z,  w_v = exp(z_v - M),  W = sum w
+    z = x / temperature  (fp32, correctly rounded; greedy: z = x),  z_v = -inf where z_v < kth / temperature (kth:
+    the row's floor for top-k and min-p, sampler.logit_floor),  M = max z,  w_v = exp(z_v - M),  W = sum w
     token = argmax z (first)                              greedy
           = the v with cdf_{v-1} <= u W < cdf_v           sampled (cdf: fp64 running sum of w)
     logprob = fp64(z_token - M) - log W
@@ -125,7 +125,7 @@ def fused_sample(
     logits: torch.Tensor,  # [R, V], the lm_head's dtype
     temperature: float,  # 0: greedy
     u: torch.Tensor | None,  # [R] fp64 in (0, 1); None when greedy
-    kth: torch.Tensor | None = None,  # [R] fp32: each row's k-th largest logit, for top-k (torch.topk's last value)
+    kth: torch.Tensor | None = None,  # [R] fp32: each row's floor, for top-k and min-p (sampler.logit_floor)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [R] int64, logprobs [R] fp32
     """A torch custom op (torch.ops.fastgrpo.sample), so that fake tensors trace it and a byte counter sees it."""
     assert logits.dim() == 2 and logits.stride(-1) == 1

@@ -31,7 +31,7 @@ from fastgrpo.sampling.block_pool import BlockPool, blocks_for, group_pages
 from fastgrpo.sampling.cuda_graphs import DecodeGraphs
 from fastgrpo.sampling.decode_layers import FusedDecoder, unsupported
 from fastgrpo.sampling.params import EngineConfig, SamplingParams, check_int
-from fastgrpo.sampling.sampler import sample
+from fastgrpo.sampling.sampler import SeenTokens, logit_floor, penalized, sample
 from fastgrpo.sampling.scheduler import Scheduler, Step
 from fastgrpo.sampling.sequence import Group, Sequence
 from fastgrpo.sampling.turns import TurnEnd, end_turns, wants_turns
@@ -243,6 +243,7 @@ class Engine:
                               self.config.max_num_batched_tokens, multi_turn=turn_end is not None,
                               admit=admit)  # fmt: skip
         finish = self._finish_check(params, outputs)
+        seen = SeenTokens(prompt_token_ids, n, outputs.tokens) if params.repetition_penalty != 1 else None
         self.stats = GenerateStats(num_blocks=num_blocks)
         if self.decoder is not None:  # the model may have changed since: LoRA wrapped in place, hooks, `.to()`
             reason = unsupported(self.hf_model)
@@ -275,7 +276,8 @@ class Engine:
                     kv_cache[:, :, dst] = kv_cache[:, :, src]
                 targets = scheduler.sample_targets(step)
                 u = None if outputs.uniforms is None else outputs.uniforms[targets.seq_ids, targets.columns]
-                tokens, logprobs = self._run(step, batch, kv_cache, params, u, graphs)
+                rows_seen = None if seen is None else seen(*targets)
+                tokens, logprobs = self._run(step, batch, kv_cache, params, u, graphs, rows_seen)
                 scheduler.update(step, tokens, logprobs, targets, finish)
                 self.stats.num_steps += 1
                 self.stats.num_forward_tokens += step.num_tokens
@@ -390,9 +392,9 @@ class Engine:
 
     # -- one forward --
 
-    def _run(self, step: Step, batch: DecodeBatch, kv_cache, params, u, graphs):
-        """Forward the step and sample with the rows' uniforms `u` [R] (None: greedy): (tokens [R], logprobs [R])
-        on the device, the decode rows' first."""
+    def _run(self, step: Step, batch: DecodeBatch, kv_cache, params, u, graphs, seen=None):
+        """Forward the step and sample with the rows' uniforms `u` [R] (None: greedy) and tokens so far `seen`
+        [R, L] (repetition_penalty; else None): (tokens [R], logprobs [R]) on the device, the decode rows' first."""
         rows = batch.inputs() if step.num_rows else None
         host = host_batch(step, self.config.block_size, batch.block_tables.shape[1]) if step.seqs else None
         logits = None
@@ -404,16 +406,17 @@ class Engine:
         if host is not None and any(count > 1 for count in host.sample_counts):  # a first fork samples n tokens
             counts = torch.cat([torch.ones(step.num_rows, dtype=torch.long), torch.tensor(host.sample_counts)])
             logits = logits[torch.repeat_interleave(torch.arange(len(counts)), counts).to(self.device)]
-        return self._sample(logits, params, u)
+        return self._sample(logits, params, u, seen)
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None):
-        """The fused sampler where Triton runs (top-k through torch.topk's k-th value); top-p needs a sort, and runs
-        the PyTorch sampler."""
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None,
+                seen: torch.Tensor | None):
+        """The fused sampler where Triton runs: the repetition penalty on an fp32 copy of the logits first, top-k and
+        min-p as one threshold per row (sampler.logit_floor). Top-p needs a sort, and runs the PyTorch sampler."""
         if self.fused_kernels and params.top_p == 1:
-            top_k = not params.greedy and 0 < params.top_k < logits.shape[-1]
-            kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1].float() if top_k else None
-            return fused_sample(logits, params.temperature, u, kth)
-        return sample(logits.float(), params, u)
+            if seen is not None:
+                logits = penalized(logits, seen, params.repetition_penalty)
+            return fused_sample(logits, params.temperature, u, logit_floor(logits, params))
+        return sample(logits.float(), params, u, seen)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

@@ -1,5 +1,6 @@
 """Options of the sampling engine: what to sample (SamplingParams) and how to run (EngineConfig)."""
 
+import math
 from dataclasses import dataclass
 
 from fastgrpo.sampling.attention import BACKENDS
@@ -10,9 +11,15 @@ def check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """What to sample. `temperature=0` is greedy; `top_k=0` and `top_p=1` switch those filters off.
+    """What to sample. `temperature=0` is greedy; `top_k=0`, `top_p=1`, `min_p=0` and `repetition_penalty=1` switch
+    those off. The logits are processed in transformers' order: repetition penalty (over the prompt and every token of
+    the completion so far; greedy decoding too), then / temperature, top-k, top-p, min-p (sampling only).
 
     `stop_token_ids=None` stops at the model's `generation_config.eos_token_id` (one or several ids); pass `()` to
     never stop on a token. Stop tokens and the token that completes a stop string are kept in the completion.
@@ -21,6 +28,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # keep tokens whose probability is at least min_p x the most likely one's
+    repetition_penalty: float = 1.0  # a seen token's logit x: / penalty when positive, x penalty when negative
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()
@@ -32,6 +41,11 @@ class SamplingParams:
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         check_int("top_k", self.top_k, 0)
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 is off), got {self.min_p!r}")
+        if not is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a number in (0, inf) (1 is off), got "
+                             f"{self.repetition_penalty!r}")
         check_int("max_new_tokens", self.max_new_tokens, 1)
         if self.stop_token_ids is not None:
             ids = (self.stop_token_ids,) if isinstance(self.stop_token_ids, int) else tuple(self.stop_token_ids)

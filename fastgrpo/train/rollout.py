@@ -78,8 +78,9 @@ def sampler_importance_weights(rollout: Rollout, mode: str, clip_min: float | No
 
     d = (old - sampling) * mask; the ratio is exp(d) per token, or exp(sum_t d) per sequence; *_truncate clamps it
     to [clip_min, clip_max], *_mask sets it to 0 outside (a None bound is no bound). The sampler's logprobs are those of
-    the distribution it drew from (after temperature, top-k and top-p), as vLLM's processed logprobs that TRL uses; the
-    old ones are the full softmax at the temperature, so with top_k or top_p on, a ratio is the kept mass, below 1.
+    the distribution it drew from (after the repetition penalty, temperature, top-k, top-p and min-p), as vLLM's
+    processed logprobs that TRL uses; the old ones are the full softmax at the temperature, so with a filter on, a
+    ratio is the kept mass, below 1 (and with a repetition penalty it differs either way).
     """
     assert rollout.old_logps is not None and rollout.sampling_logps is not None, "needs the old and sampler logprobs"
     lengths = [len(ids) for ids in rollout.completion_ids]

@@ -7,8 +7,12 @@
 The engine owns no weights. Llama/Qwen2/Qwen3 models run through the engine's own decoder layers over the model's
 parameters (decode_layers.py: fused q/k/v and gate/up GEMMs, fused elementwise kernels); other models run their own
 modules with attention swapped (transformers' AttentionInterface) for the duration of `generate`. On CUDA the
-sampler is two kernels that read the logits once (fastgrpo/kernels/sampling.py) unless top-p is on. The KV pool is
-allocated per call and released at its end, so the training step that follows gets the memory back.
+sampler is two kernels that read the logits once (fastgrpo/kernels/sampling.py) unless top-p is on (a repetition
+penalty adds a penalised fp32 copy for them to read). The KV pool is allocated per call and released at its end, so
+the training step that follows gets the memory back.
+
+Streamed groups (dynamic sampling): `generate(..., admit=k, group_done=g)` starts at most k prompt groups, hands
+each finished group to `g`, which lets more start or stops the call (the rest are dropped, their pages freed).
 
 Multi-turn rollouts (agents): `generate(..., turn_end=f)` parks a sequence whose turn ended, with its pages, and
 appends the tokens `f` returns for it as a prefill continuation (turns.py): no token is computed twice.

@@ -123,6 +123,23 @@ def test_two_processes_train_as_one(assets, tied, tmp_path):
 
 
 @pytest.mark.slow
+def test_two_processes_sample_dynamic_rounds_as_one(tied, tmp_path):
+    """Dynamic sampling: 2 processes draw waves of groups, 1 process streams them through the engine; the same
+    prompts are drawn, kept and dropped (dynamic/* metrics), and the runs train alike (FSDP2, the default)."""
+    values = dict(dynamic_sampling=True, max_steps=3)
+    output = tmp_path / "two"
+    done = drive([options(tied, output, **values, per_device_train_batch_size=4, params_file=str(output) + ".pt")],
+                 tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics, params = one_process(options(tied, tmp_path / "one", **values))
+    rows = metrics[1:]
+    assert all(r["dynamic/kept_groups"] == 4 for r in rows)
+    assert sum(r["dynamic/drawn_groups"] for r in rows) > 3 * 4, "no round dropped a group"
+    assert_same_metrics(metrics, read_metrics(output), tol=TOL)
+    assert_same_parameters(params, torch.load(str(output) + ".pt"))
+
+
+@pytest.mark.slow
 def test_torchrun_fastgrpo_train_shards_by_default(tied, tmp_path):
     """`torchrun -m fastgrpo train` on 2 processes: FSDP2 by default; only rank 0 writes logs, plot and the summary;
     the last checkpoint is sharded (DCP) and holds the whole model exported with save_pretrained, equal to what one

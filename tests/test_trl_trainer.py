@@ -651,9 +651,6 @@ def _processor():
 
 # (constructor options, text the error must hold, the REFUSALS entry it hits or None for a GRPOConfig check)
 UNSUPPORTED = [
-    pytest.param(dict(entropy_coef=0.01, top_entropy_quantile=0.5), "entropy_coef=0.01 with top_entropy_quantile=0.5",
-                 "entropy_coef", id="entropy_coef_top_entropy"),
-    pytest.param(dict(use_adaptive_entropy=True), "use_adaptive_entropy=True", "entropy_coef", id="adaptive_entropy"),
     pytest.param(dict(epsilon=-0.1), "epsilon_low must be a finite number >= 0", None, id="bad_epsilon"),
     pytest.param(dict(loss_type="dr_grpo", max_completion_length=None), "needs max_completion_length", None,
                  id="dr_grpo"),

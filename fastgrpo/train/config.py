@@ -241,8 +241,8 @@ class TrainConfig:
               "exceeds this (DeepSeek-V3.2's off-policy sequence mask, e.g. 0.5); None is off")
     use_adaptive_entropy: bool = option(
         False, "adaptive entropy control (Skywork-OR1): entropy_coef is the starting coefficient, raised by "
-               "entropy_coef_delta after each optimizer step whose entropy is at or below entropy_target, else lowered; "
-               "applied only while the last step's entropy is at or below the target")
+               "entropy_coef_delta after each optimizer step whose entropy is at or below entropy_target, else "
+               "lowered; applied only while the last step's entropy is at or below the target")
     entropy_coef_min: float = option(0.0, "use_adaptive_entropy: the lowest coefficient")
     entropy_coef_max: float = option(1.0, "use_adaptive_entropy: the highest coefficient")
     entropy_coef_delta: float = option(0.005, "use_adaptive_entropy: the change of the coefficient per optimizer step")

@@ -93,7 +93,7 @@ from fastgrpo.train.plan import (
     usable,
     what_would_fit,
 )
-from fastgrpo.train.policy_loss import PolicyLoss
+from fastgrpo.train.policy_loss import EntropyControl, PolicyLoss
 from fastgrpo.train.quantization import bitsandbytes
 from fastgrpo.train.rewards import RewardError, Rewards, accuracy, completion_text, load_function
 from fastgrpo.train.rollout import (
@@ -359,6 +359,7 @@ class Trainer:
         self.stop_token_ids = stop_token_ids(self.model, self.tokenizer)
         self.head = check_head(find_hf_model(self.model))  # {logit_scale, logit_softcap}
         self.loss_options = model_loss_options(config, self.head)
+        self.entropy_control = EntropyControl.of(config) if config.use_adaptive_entropy else None
         # The modules whose forward runs a micro-batch: the root that FSDP shards, or the module DDP wraps.
         self.policy = PolicyLoss(self.model, self.packed, self.head)
         self.reference = None if self.ref_model is None else PolicyLoss(self.ref_model, self.packed, self.head)
@@ -395,6 +396,8 @@ class Trainer:
             self.step, self.num_tokens, self.seconds = state["step"], state["num_tokens"], state["seconds"]
             self.initial_accuracy = state["initial_accuracy"]
             self.order.load_state_dict(state["data"])
+            if self.entropy_control is not None and "entropy_control" in state:
+                self.entropy_control.load_state_dict(state["entropy_control"])
             if config.sync_ref_model:
                 checkpoint.load_full_state(resume_from / REFERENCE_FILE, self.ref_model)
         self.optimizer_steps_done = self.step * self.optimizer_steps_per_round  # (sync_ref_model's clock)
@@ -812,14 +815,16 @@ class Trainer:
         control = self.entropy_control if config.use_adaptive_entropy else None
         bonus = config.entropy_coef != 0.0 or control is not None  # TRL's _entropy_bonus_enabled: logs policy_loss
         masked = config.top_entropy_quantile < 1.0 or config.off_policy_mask_threshold is not None
-        per_step = 1 / config.gradient_accumulation_steps if token_normalised else 1.0  # as model_loss_options
         metrics, weights, losses, grad_norms, coefficients = defaultdict(list), [], [], [], []
         for iteration in range(config.num_iterations):
             shuffle = torch.Generator().manual_seed(self._seed("shuffle", iteration))
             for step_batches in micro_batches(lengths, size * world.size, config.gradient_accumulation_steps,
                                               shuffle):
-                coef = config.entropy_coef if control is None else control.applied()
-                step_options = dataclasses.replace(self.loss_options, entropy_coef=coef * per_step)
+                step_options = self.loss_options
+                if control is not None:  # the coefficient of this step, scaled as model_loss_options scales it
+                    coef = control.applied()
+                    coef = coef / config.gradient_accumulation_steps if token_normalised else coef
+                    step_options = dataclasses.replace(step_options, entropy_coef=coef)
                 step_loss, window = 0.0, []  # window: per micro-batch [entropy sum, count] over its bonus tokens
                 for j, whole in enumerate(step_batches):
                     index = whole[world.rank * size : (world.rank + 1) * size]
@@ -828,8 +833,10 @@ class Trainer:
                     masks = None
                     if masked:  # the bonus is then the masks': this share's entropy over the global bonus tokens
                         shares = tuple(sum(tokens[i] for i in whole[r * size : (r + 1) * size]) for r in range(K))
-                        sampled = None if rollout.sampling_logps is None else torch.nn.utils.rnn.pad_sequence(
-                            [rollout.sampling_logps[i] for i in index], batch_first=True).to(self.device)  # [b, T]
+                        sampled = None  # the sampler's logprobs, kept with importance_sampling_correction
+                        if rollout.sampling_logps is not None and config.off_policy_mask_threshold is not None:
+                            sampled = torch.nn.utils.rnn.pad_sequence(
+                                [rollout.sampling_logps[i] for i in index], batch_first=True).to(self.device)  # [b, T]
                         masks = TokenMasks(config.top_entropy_quantile, config.off_policy_mask_threshold,
                                            step_options.entropy_coef * K / scale if scale else 0.0,
                                            shares if K > 1 else (), sampled)
@@ -950,6 +957,8 @@ class Trainer:
     def save(self) -> Path:
         state = {"num_tokens": self.num_tokens, "seconds": self.seconds, "initial_accuracy": self.initial_accuracy,
                  "data": self.order.state_dict()}
+        if self.entropy_control is not None:  # use_adaptive_entropy: its coefficient and last step's entropy
+            state["entropy_control"] = self.entropy_control.state_dict()
         # The reference that sync_ref_model moves is part of the run's state (gathered: a collective under FSDP2).
         tensors = {REFERENCE_FILE: checkpoint.full_state(self.ref_model)} if self.config.sync_ref_model else None
         if self.parallelism is not None:  # sharded (FSDP2) or not, several processes write a DCP checkpoint

@@ -11,7 +11,8 @@ from fastgrpo.train import cli as train_cli
 # `fastgrpo bench <suite>`: each suite's module (its add_arguments and run), imported only when `fastgrpo bench` runs
 SUITES = {"loss": "fastgrpo.bench.loss", "sampling": "fastgrpo.bench.sampling", "trl": "fastgrpo.bench.trl_step",
           "step": "fastgrpo.bench.step", "cpu-memory": "fastgrpo.bench.cpu_memory",
-          "decode-bytes": "fastgrpo.bench.decode_bytes", "memory-plan": "fastgrpo.bench.memory_plan"}
+          "decode-bytes": "fastgrpo.bench.decode_bytes", "memory-plan": "fastgrpo.bench.memory_plan",
+          "agent": "fastgrpo.bench.agent_rollout"}
 DEFAULT_SUITE = "loss"
 
 

@@ -359,6 +359,8 @@ def prepare(rows: Rows, tokenizer, config: TrainConfig, what: str, answers: str 
         prompts.append(prompt_messages(prompt, config) if is_conversational(prompt) else prompt)
         token_ids.append(ids)
         out.append(row)
+    keys = dict.fromkeys(k for row in out for k in row)  # every row every column, None where it has none (datasets')
+    out = [row if len(row) == len(keys) else {k: row.get(k) for k in keys} for row in out]
     return Prompts(out, token_ids, prompts, answers)
 
 

@@ -506,9 +506,7 @@ class Trainer:
                 return self._call_rollout_func(data, mine, n)
             if self.agent is not None:
                 # reset(**row) gets every column, None where the row has none (as rows of a `datasets` table)
-                keys = dict.fromkeys(k for row in data.rows for k in row)
-                rows = [{k: data.rows[i].get(k) for k in keys} for i in mine]
-                done = self.agent.generate(self.engine, rows, [data.prompts[i] for i in mine],
+                done = self.agent.generate(self.engine, [data.rows[i] for i in mine], [data.prompts[i] for i in mine],
                                            [data.token_ids[i] for i in mine], streams, n, params)
                 columns = {} if done.environments is None else {"environments": done.environments}
                 return Sampled(done.groups, done.prompt_ids, done.prompts, done.messages, columns, done.counts)
@@ -761,8 +759,7 @@ class Trainer:
         data = self.train_prompts
         completion_ids = [c.token_ids for group in sampled.groups for c in group]
         # Every column of the data, None in rows without it (as a `datasets` table holds rows of different keys).
-        keys = dict.fromkeys(k for row in data.rows for k in row)
-        columns = {k: [data.rows[i].get(k) for i in samples] for k in keys
+        columns = {k: [data.rows[i][k] for i in samples] for k in data.rows[0]  # (prepare gave every row every key)
                    if k not in RESERVED_REWARD_ARGS and k != self.config.prompt_column}
         columns |= sampled.columns
         per_round = self.optimizer_steps_per_round  # TrainerState counts optimizer steps, as TRL's does

@@ -654,7 +654,7 @@ def count_decode_bytes(model_config, *, fused: bool, dtype: torch.dtype = torch.
                                                 rows_max_context=context_length)
                 with BytesMoved() as moved:  # the forward and the sampler, not the batch's set-up
                     logits = engine._forward(rows["input_ids"], rows["positions"], paged_batch)
-                    engine._sample(logits, params, u)
+                    engine._sample(logits, params, u, None)
         counts.append(moved)
     one, two = counts
     layer = {kind: two.bytes[kind] - one.bytes[kind] for kind in one.bytes}

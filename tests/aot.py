@@ -2,7 +2,7 @@
 
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` lowers a kernel to PTX and a cubin for the given
 compute capability; `ptxas-blackwell -v` (shipped in triton's wheel, it reads the newest PTX versions) reports
-registers, shared memory and spills of the PTX.
+registers, shared memory and spills of the PTX; `cuobjdump -sass` (also in the wheel) lists the cubin's instructions.
 """
 
 import json
@@ -23,7 +23,8 @@ from fastgrpo.kernels import decode_ops, logit_rows, paged_attention, sampling
 ALIGNED_SIZES = ("H", "V", "width")
 
 # The builds need real JIT functions: this module runs as its own process, without TRITON_INTERPRET.
-_PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+_PTXAS = os.path.join(_BIN, "ptxas-blackwell")
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Build:
     spill_loads: int
     shared_bytes: int
     ptxas_report: str
+    cubin: bytes
 
     def uses_tensor_cores(self, cc: int) -> bool:
         # sm_90 runs tiles of M >= 64 on wgmma; smaller tiles (decode attention) on mma.sync, still tensor cores.
@@ -65,22 +67,37 @@ def build(fn, signature: dict, constexprs: dict, cc: int, num_warps: int, num_st
     regs = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     return Build(ptx=ptx, registers=regs, spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)),
-                 shared_bytes=compiled.metadata.shared, ptxas_report=report.strip())
+                 shared_bytes=compiled.metadata.shared, ptxas_report=report.strip(), cubin=compiled.asm["cubin"])
+
+
+def sass_opcodes(cubin: bytes) -> list[str]:
+    """The cubin's SASS instructions' opcodes (with their modifiers), in order."""
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                             check=True)
+    finally:
+        os.unlink(f.name)
+    return re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", out.stdout)
 
 
 # -- the shipped kernels, with their launchers' settings ------------------------------------------------------------
 
-def attention(dt, decode: bool):
-    """Paged attention with a Qwen2.5-1.5B head layout: 12 query heads on 2 KV heads (group 6), head_dim 128."""
-    sig = dict(q_ptr=f"*{dt}", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}", out_ptr=f"*{dt}", block_tables_ptr="*i32",
+def attention(dt, decode: bool, fp8_kv: bool = False):
+    """Paged attention with a Qwen2.5-1.5B head layout: 12 query heads on 2 KV heads (group 6), head_dim 128; with
+    fp8_kv, over float8_e4m3fn pages and their per-head scales (queries and output in `dt`)."""
+    kv = "fp8e4nv" if fp8_kv else dt
+    sig = dict(q_ptr=f"*{dt}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", out_ptr=f"*{dt}", block_tables_ptr="*i32",
                context_lens_ptr="*i32", query_starts_ptr="*i32", tile_seqs_ptr="*i32", tile_starts_ptr="*i32",
+               k_scale_ptr="*fp32" if fp8_kv else "*i32", v_scale_ptr="*fp32" if fp8_kv else "*i32",
                scale="fp32", **{name: "i32" for name in ("stride_qt", "stride_qh", "stride_ot", "stride_oh",
                                                          "stride_kb", "stride_ks", "stride_kh", "stride_vb",
                                                          "stride_vs", "stride_vh", "stride_bt")})
     group, dtype = 6, {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
     tiles = paged_attention.tiles_for(group, 1 if decode else 2, dtype)
     consts = dict(BLOCK_SIZE=16, GROUP=group, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=tiles.block_m,
-                  BLOCK_N=tiles.block_n, DOT_PRECISION="tf32")
+                  BLOCK_N=tiles.block_n, DOT_PRECISION="tf32", KV_SCALED=fp8_kv)
     return paged_attention._paged_attention_kernel, sig, consts, tiles.num_warps, tiles.num_stages
 
 
@@ -122,15 +139,16 @@ def add_rms_norm(hidden):
     return kernel
 
 
-def rope_store(heads, kv_heads, qk_norm):
+def rope_store(heads, kv_heads, qk_norm, fp8_kv=False):
     def kernel(dt):
+        kv, scale = ("fp8e4nv", "fp32") if fp8_kv else (dt, dt)  # (the launcher's placeholder scale pointer: cos)
         sig = dict(QKV=f"*{dt}", Cos=f"*{dt}", Sin=f"*{dt}", QNormW=f"*{dt}", KNormW=f"*{dt}", Q=f"*{dt}",
-                   KCache=f"*{dt}", VCache=f"*{dt}", Slots="*i64",
+                   KCache=f"*{kv}", VCache=f"*{kv}", Slots="*i64", KScale=f"*{scale}", VScale=f"*{scale}",
                    **{name: "i32" for name in ("stride_qkv", "stride_cos", "stride_sin", "stride_qt", "stride_qh",
                                                "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
                                                "stride_vh")}, eps="fp32")
         total = heads + 2 * kv_heads
-        consts = dict(NUM_Q=heads, NUM_KV=kv_heads, HEAD_DIM=128, PAGE=16, HAS_QK_NORM=qk_norm,
+        consts = dict(NUM_Q=heads, NUM_KV=kv_heads, HEAD_DIM=128, PAGE=16, HAS_QK_NORM=qk_norm, KV_SCALED=fp8_kv,
                       BLOCK_HEADS=triton.next_power_of_2(total))
         return decode_ops._rope_store_kernel, sig, consts, decode_ops.rope_warps(total, 128), 1
     return kernel
@@ -169,6 +187,20 @@ KERNELS.update(DECODE_KERNELS)
 VECTOR_LOADS = ("logit_row_stats", "logit_row_grad", "add_rms_norm_1536", "add_rms_norm_8192", "rope_store_12_2",
                 "rope_store_qk_norm_32_8", "silu_mul", "sample_tile_stats")
 
+# kv_cache_dtype="fp8": the kernels that write (rope_store) and read (paged attention) e4m3 pages, for the GPUs with
+# e4m3 conversions (sm_89+; the engine refuses Triton fp8 pages below). Model dtype bf16.
+FP8_KV_KERNELS = {"paged_attention_decode_fp8kv": lambda dt: attention(dt, decode=True, fp8_kv=True),
+                  "paged_attention_prefill_fp8kv": lambda dt: attention(dt, decode=False, fp8_kv=True),
+                  "rope_store_12_2_fp8kv": rope_store(12, 2, False, fp8_kv=True),
+                  "rope_store_qk_norm_32_8_fp8kv": rope_store(32, 8, True, fp8_kv=True)}
+KERNELS.update(FP8_KV_KERNELS)
+VECTOR_LOADS += ("rope_store_12_2_fp8kv", "rope_store_qk_norm_32_8_fp8kv")
+
+
+# Bytes of each global -> shared async copy (cp.async, 4, 8 or 16 bytes); PTX conversions to or from e4m3.
+_ASYNC_COPY_SIZE = re.compile(r"cp\.async\.c[ag]\.shared\.global(?:\.\w+)* \[[^]]+\], \[[^]]+\], 0x([0-9a-f]+)")
+_E4M3_CVT = re.compile(r"cvt(?:\.\w+)*\.e4m3\w*(?:\.\w+)*")
+
 
 def build_all(cases):
     """cases: [(kernel name, dtype, cc)] -> [dict of resource usage], with fp32 GEMMs in exact ("ieee") mode."""
@@ -186,6 +218,10 @@ def build_all(cases):
                             vector_stores=len(re.findall(r"st\.global(?:\.\w+)*\.v4", b.ptx)),
                             async_copies_16b=len(re.findall(r"cp\.async\.cg\.shared\.global(?:\.\w+)* \[[^]]+\], "
                                                             r"\[[^]]+\], 0x10", b.ptx)),
+                            async_copy_bytes=sum(int(size, 16) for size in _ASYNC_COPY_SIZE.findall(b.ptx)),
+                            ptx_e4m3=sorted(set(_E4M3_CVT.findall(b.ptx))),
+                            sass_e4m3=sorted({op for op in sass_opcodes(b.cubin) if "E4M3" in op})
+                            if name in FP8_KV_KERNELS else [],
                             num_warps=warps, num_stages=stages, constexprs=consts,
                             ptxas_report=b.ptxas_report))
     return results

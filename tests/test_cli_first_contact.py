@@ -176,15 +176,16 @@ def test_kv_cache_blocks_too_few_or_too_many_is_refused_before_loading(assets, t
     the engine would say the first only at the first evaluation, in its own names, and build the second's page
     lists until the kernel killed the process."""
     said = fails(capsys, train_args(assets, tmp_path / "few", "--kv-cache-blocks", "1"))
-    assert said == ("fastgrpo train: error: --kv-cache-blocks 1 is too few: sampling one prompt group (a prompt and "
-                    "its --num-generations 4 completions of up to --max-completion-length 4 tokens) needs 4 pages of "
-                    "16 tokens; give at least 4, or leave it unset to size the pool from --sampling-memory-fraction")
+    assert said == ("fastgrpo train: error: --kv-cache-blocks 1 is too few: sampling needs a prompt's pages and one "
+                    "completion's (of up to --max-completion-length 4 tokens; the --num-generations 4 completions can "
+                    "run one after another), 2 pages of 16 tokens; give at least 2, or leave it unset to size the pool "
+                    "from --sampling-memory-fraction")
     said = fails(capsys, train_args(assets, tmp_path / "many", "--kv-cache-blocks", str(10**9)))
     assert said.startswith("fastgrpo train: error: --kv-cache-blocks 1000000000 is too many: the KV pool would take "
                            "7629.4 GiB (8192 bytes a page), and "), said
     assert "GiB is available (MemAvailable in /proc/meminfo); at most " in said
     assert not (tmp_path / "few").exists() and not (tmp_path / "many").exists()
-    main(train_args(assets, tmp_path / "four", "--kv-cache-blocks", "4", "--max-steps", "1"))  # the engine's least
+    main(train_args(assets, tmp_path / "two", "--kv-cache-blocks", "2", "--max-steps", "1"))  # the engine's least
 
 
 # -- --resume --------------------------------------------------------------------------------------------------------

@@ -241,27 +241,6 @@ def test_preemption_mid_conversation_changes_nothing(model, monkeypatch):
     assert any(victims), "a group with parked sequences was preempted"
 
 
-def test_a_preempted_group_whose_parked_sequences_finish_leaves_the_queue(model, monkeypatch):
-    """Its rows were given back when it was preempted; when turn_end finishes its last (parked) sequences while it
-    waits, it is done: no recompute, no pages left."""
-    prompts = prompts_for(4)
-    params = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=TURN_STOPS[:4], seed=4)
-    done_waiting, finish = [], Scheduler._finish
-
-    def counted(self, seq, reason):
-        group = self.groups[seq.seq_id // self.n]
-        done_waiting.append(group in self.waiting and group.num_finished + 1 == group.n)
-        finish(self, seq, reason)
-
-    monkeypatch.setattr(Scheduler, "_finish", counted)
-    want = Engine(model, block_size=4).generate(prompts, n=2, params=params, turn_end=lambda turns: [None] * len(turns))
-    engine = Engine(model, block_size=4, num_blocks=31, max_num_batched_tokens=8)  # one group needs <= 31
-    got = engine.generate(prompts, n=2, params=params, turn_end=lambda turns: [None] * len(turns), turn_batch=10**6)
-    assert tokens_of(got) == tokens_of(want)
-    assert any(done_waiting) and engine.stats.num_preemptions > 0
-    assert_each_position_once(engine, prompts, got)
-
-
 def test_random_schedules_give_the_same_turns(model):
     """Page sizes, pools down to one group's pages, row and token limits down to 1, and turn_batch drawn at random:
     the same tokens and masks as a roomy engine, every position computed once bar recomputes, no page leaked."""

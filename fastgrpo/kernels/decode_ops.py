@@ -10,12 +10,15 @@ what the chain of PyTorch ops it replaces computes (up to the order of the fp32 
                        out = dt(dt(x * cos) + dt(rotate_half(x) * sin)),  rotate_half(x)_d = -x_{d+D/2} (d < D/2)
                                                                                            x_{d-D/2} (d >= D/2)
                    query heads -> q [T, Hq, D];  key heads -> k_cache[slot_t];  value heads copied to v_cache[slot_t]
+                   fp8 caches (float8_e4m3fn) take e4m3(clamp(k / k_scale_g, +-448)), v likewise, one power-of-two
+                   scale per KV head g (exact division): what attention.store_kv writes
     silu_mul       gate_up [T, 2I] from one GEMM -> dt(dt(silu(gate)) * up)  [T, I]
 
 Bytes per token (2-byte dtype): add_rms_norm reads 2 x 2H and writes 2 x 2H (the unfused RMSNorm alone moves
 ~36 bytes per element in 6 ops, the residual add 6 more); rope_store reads and writes each of q, k, v once (the
 unfused rotary moves ~20 bytes per q or k element in 5 ops, then the cache store copies k and v again); silu_mul
-reads 4I and writes 2I (unfused: 10I in 2 ops). benchmarks/NOTES.md counts them per layer.
+reads 4I and writes 2I (unfused: 10I in 2 ops). benchmarks/NOTES.md counts them per layer. With an fp8 cache
+rope_store writes 1 byte per K/V element instead of 2.
 
 Each op is a torch custom op (`torch.ops.fastgrpo.*`) so that a dispatch-level counter sees one op per kernel and
 fake tensors trace it; the kernels run wherever Triton does (CUDA, or the interpreter on a CPU).
@@ -24,6 +27,8 @@ fake tensors trace it; the kernels run wherever Triton does (CUDA, or the interp
 import torch
 import triton
 import triton.language as tl
+
+FP8_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn; larger values saturate to it
 
 
 @triton.jit
@@ -68,6 +73,8 @@ def _rope_store_kernel(
     KCache,  # [num_blocks, PAGE, NUM_KV, HEAD_DIM]
     VCache,  # [num_blocks, PAGE, NUM_KV, HEAD_DIM]
     Slots,  # [T] int64: block * PAGE + offset
+    KScale,  # [NUM_KV] fp32: fp8 caches hold k / k_scale (unused without KV_SCALED)
+    VScale,  # [NUM_KV] fp32
     stride_qkv,
     stride_cos,
     stride_sin,
@@ -85,6 +92,7 @@ def _rope_store_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     HAS_QK_NORM: tl.constexpr,
+    KV_SCALED: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
 ):
     """One program per token: its [heads, HEAD_DIM] tile of q, k and v heads."""
@@ -120,8 +128,14 @@ def _rope_store_kernel(
     slot = tl.load(Slots + t)
     block, offset = slot // PAGE, slot % PAGE
     kv_head = tl.where(is_k, h - NUM_Q, h - NUM_Q - NUM_KV)
-    tl.store(KCache + block * stride_kb + offset * stride_ks + kv_head * stride_kh + d, out, mask=is_k & valid)
-    tl.store(VCache + block * stride_vb + offset * stride_vs + kv_head * stride_vh + d, x, mask=is_v & valid)
+    k, v = out, x
+    if KV_SCALED:  # e4m3 of the rounded k / v over their head's scale; div_rn is exact for powers of two
+        k_scale = tl.load(KScale + kv_head, mask=is_k, other=1.0)  # [BLOCK_HEADS, 1]
+        v_scale = tl.load(VScale + kv_head, mask=is_v, other=1.0)
+        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale), -FP8_MAX, FP8_MAX).to(KCache.dtype.element_ty)
+        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale), -FP8_MAX, FP8_MAX).to(VCache.dtype.element_ty)
+    tl.store(KCache + block * stride_kb + offset * stride_ks + kv_head * stride_kh + d, k, mask=is_k & valid)
+    tl.store(VCache + block * stride_vb + offset * stride_vs + kv_head * stride_vh + d, v, mask=is_v & valid)
 
 
 @triton.jit
@@ -197,9 +211,17 @@ def rope_store(
     slots: torch.Tensor,  # [T] int64
     num_heads: int,
     eps: float,
+    k_scale: torch.Tensor | None = None,  # [Hkv] fp32: float8_e4m3fn caches only, which take k / k_scale
+    v_scale: torch.Tensor | None = None,  # [Hkv] fp32
 ) -> torch.Tensor:  # [T, Hq, D] rotated queries
     num_tokens = qkv.shape[0]
     _, page, num_kv_heads, head_dim = k_cache.shape
+    scaled = k_cache.dtype == torch.float8_e4m3fn
+    assert v_cache.dtype == k_cache.dtype and (k_cache.dtype == qkv.dtype or scaled), (qkv.dtype, k_cache.dtype)
+    for scale in (k_scale, v_scale):
+        assert (scale is None) != scaled, "fp8 caches need k_scale and v_scale, others neither"
+        assert scale is None or (scale.dtype == torch.float32 and scale.shape == (num_kv_heads,)), scale
+        assert scale is None or scale.is_contiguous()
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(-1) == 1
     assert head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of 2"
     assert cos.stride(-1) == sin.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
@@ -210,17 +232,19 @@ def rope_store(
         total_heads = num_heads + 2 * num_kv_heads
         _rope_store_kernel[(num_tokens,)](
             qkv, cos, sin, q_norm if has_norm else cos, k_norm if has_norm else cos, q, k_cache, v_cache, slots,
+            k_scale if scaled else cos, v_scale if scaled else cos,
             qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), eps,
             NUM_Q=num_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, PAGE=page, HAS_QK_NORM=has_norm,
-            BLOCK_HEADS=triton.next_power_of_2(total_heads), num_warps=rope_warps(total_heads, head_dim),
+            KV_SCALED=scaled, BLOCK_HEADS=triton.next_power_of_2(total_heads),
+            num_warps=rope_warps(total_heads, head_dim),
         )  # fmt: skip
     return q
 
 
 @rope_store.register_fake
-def _(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, slots, num_heads, eps):
+def _(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, slots, num_heads, eps, k_scale=None, v_scale=None):
     return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[-1])
 
 

@@ -8,6 +8,12 @@ Math, per query token t of sequence s (absolute position p_t), query head h, its
 Keys/values live in pages: cache[block, offset, kv_head, dim] with block = block_table[s, j // BLOCK_SIZE].
 The plain-PyTorch equivalent is `fastgrpo.sampling.attention.reference_paged_attention`.
 
+fp8 pages (kv_cache_dtype="fp8") hold e4m3 values k_j / k_scale_g and v_j / v_scale_g, one power-of-two scale per KV
+head (fastgrpo.sampling.decode_layers.kv_scales). A tile is widened to the query's dtype on load (exactly: every e4m3
+value is a bf16 value) and the scales fold into the softmax scale and the output, which is exact for powers of two:
+
+    scores_j = (q . k8_j) * (scale * k_scale_g);   out = v_scale_g * sum_j softmax(scores)_j v8_j
+
 One program handles one KV head and a tile of BLOCK_M rows, where a row is (query token, query head of the
 group): GQA heads that share a KV head share every K/V load, and decode (one token per sequence) still fills a
 tensor-core tile once GROUP * tokens >= 16.
@@ -36,7 +42,8 @@ def tiles_for(group: int, max_query_len: int, dtype: torch.dtype) -> Tiles:
     Decode (one query token per sequence) takes the smallest tile that holds a GQA group: 16 x 64 with 4 warps,
     96/117 registers (sm_90/sm_80) in bf16. Prefill takes 64 query rows per K/V load: 64 x 64 with 4 warps spills
     on sm_80 (255 registers), with 8 warps it needs 140/172. fp32 ("ieee" products) spills at every tile above
-    16 x 64 with one stage (146/250 registers).
+    16 x 64 with one stage (146/250 registers). `dtype` is the queries' (the model's): over fp8 pages, widened to it
+    on load, the bf16 tiles need 148 (decode) and 127 (prefill) registers on sm_90, without spills.
     """
     smallest = max(MIN_DOT, triton.next_power_of_2(group))
     if dtype == torch.float32:
@@ -60,6 +67,8 @@ def _paged_attention_kernel(
     query_starts_ptr,  # [S + 1] int32: offsets of each sequence's new tokens in q
     tile_seqs_ptr,  # [num_tiles] int32: sequence of each tile
     tile_starts_ptr,  # [num_tiles] int32: first query token of each tile, within its sequence
+    k_scale_ptr,  # [Hkv] fp32: fp8 pages hold k / k_scale (unused without KV_SCALED)
+    v_scale_ptr,  # [Hkv] fp32
     scale,  # fp32 softmax scale
     stride_qt,
     stride_qh,
@@ -79,6 +88,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -101,6 +111,9 @@ def _paged_attention_kernel(
     q_offsets = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     qk_scale = tl.cast(scale, tl.float32) * LOG2E
+    if KV_SCALED:  # powers of two: folding them in here equals scaling every key and value (bar underflow)
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
 
     # Finite start so fully masked rows (padding) give p = 0 instead of exp2(-inf + inf) = nan.
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -117,7 +130,7 @@ def _paged_attention_kernel(
         in_block = kv_pos % BLOCK_SIZE
         kv_mask = kv_valid[:, None] & d_valid[None, :]
         k_offsets = block[:, None] * stride_kb + in_block[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-        k = tl.load(k_cache_ptr + k_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_cache_ptr + k_offsets, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
 
         # -- scores, in log2 units --
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
@@ -131,10 +144,12 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         v_offsets = block[:, None] * stride_vb + in_block[:, None] * stride_vs + kv_head * stride_vh + d[None, :]
-        v = tl.load(v_cache_ptr + v_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        v = tl.load(v_cache_ptr + v_offsets, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if KV_SCALED:
+        acc = acc * v_scale
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_offsets = (q_start + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
@@ -162,15 +177,24 @@ def paged_attention(
     scale: float,
     tiles: Tiles,
     out: torch.Tensor | None = None,  # [T, Hq, D]
+    k_scale: torch.Tensor | None = None,  # [Hkv] fp32: fp8 caches only, which hold k / k_scale
+    v_scale: torch.Tensor | None = None,  # [Hkv] fp32
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached keys/values (which include them)."""
+    """Causal attention of each sequence's new tokens over its cached keys/values (which include them). The caches
+    are in the query's dtype, or float8_e4m3fn with their per-KV-head scales (powers of two)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     group = num_heads // num_kv_heads
     assert tiles.block_m >= group and tiles.block_m & (tiles.block_m - 1) == 0, (tiles, group)
     assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype == query.dtype
+    assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype
+    scaled = k_cache.dtype == torch.float8_e4m3fn
+    same_dtype = k_cache.dtype == query.dtype and k_scale is None
+    assert same_dtype or (scaled and query.dtype != torch.float8_e4m3fn), (query.dtype, k_cache.dtype)
+    if scaled:
+        for s in (k_scale, v_scale):
+            assert s is not None and s.dtype == torch.float32 and s.shape == (num_kv_heads,) and s.is_contiguous()
     assert block_tables.dtype == context_lens.dtype == query_starts.dtype == torch.int32
     assert query_starts.numel() == context_lens.numel() + 1 == block_tables.shape[0] + 1
     assert tile_seqs.shape == tile_starts.shape
@@ -188,6 +212,8 @@ def paged_attention(
         query_starts,
         tile_seqs,
         tile_starts,
+        k_scale if scaled else context_lens,  # (a placeholder pointer when unused)
+        v_scale if scaled else context_lens,
         scale,
         query.stride(0),
         query.stride(1),
@@ -208,6 +234,7 @@ def paged_attention(
         BLOCK_N=tiles.block_n,
         # fp32 models get fp32 products (tf32 would cost ~1e-3 relative error).
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        KV_SCALED=scaled,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -4,6 +4,10 @@ During `Engine.generate` the model's attention implementation is switched to ATT
 public AttentionInterface. Every attention layer then sees the packed new tokens of all scheduled sequences
 (batch 1, T tokens, each with its own position), writes their keys/values into the paged cache and attends over
 each sequence's cached context. Everything else in the model (embeddings, norms, rotary, MLP, LoRA) runs unchanged.
+
+An fp8 cache (EngineConfig.kv_cache_dtype="fp8") holds float8_e4m3fn values k / k_scale and v / v_scale, one
+power-of-two scale per layer, K or V, and KV head (decode_layers.kv_scales): `store_kv` writes them, and the torch
+and triton backends read them with their scales.
 """
 
 from collections.abc import Callable
@@ -19,6 +23,10 @@ from fastgrpo.kernels.paged_attention import Tiles, attention_tiles, tiles_for
 from fastgrpo.kernels.paged_attention import paged_attention as triton_paged_attention
 
 ATTENTION_NAME = "fastgrpo_paged"
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448: scaled values are clamped to it (a scale from the weights' bound never needs it)
+# The backends that read fp8 pages (with their scales); flash-attn's paged kernels and registered backends do not.
+FP8_BACKENDS = ("torch", "triton")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +47,7 @@ class PagedBatch:
     tile_starts: torch.Tensor | None = None  # [num_tiles] int32 (triton)
     tiles: Tiles | None = None  # triton
     num_rows: int = 0  # the leading sequences that are decode rows (one new token each)
+    kv_scales: torch.Tensor | None = None  # [layers, 2, Hkv] fp32: fp8 caches hold k / scale (None: no scales)
 
 
 def triton_tiles(query_lens: list[int], group: int, dtype: torch.dtype) -> tuple[Tiles, list[int], list[int]]:
@@ -58,6 +67,8 @@ def build_paged_batch(
     group: int,  # query heads per KV head
     rows: dict[str, torch.Tensor] | None = None,
     rows_max_context: int = 0,
+    query_dtype: torch.dtype | None = None,  # the model's, when the cache's is not (fp8); picks the triton tiles
+    kv_scales: torch.Tensor | None = None,  # [layers, 2, Hkv] fp32, for an fp8 cache
 ) -> PagedBatch:
     """The batch of one eager forward: first the decode rows (`rows`: device tensors of one new token per sequence,
     from DecodeBatch.inputs, whose longest context is `rows_max_context`), then the host lists' sequences; tiles
@@ -86,7 +97,7 @@ def build_paged_batch(
     tiles, tile_seqs, tile_starts = None, None, None
     max_query_len = max(query_lens, default=1)
     if backend == "triton":  # a decode row is one tile: (its row, token 0)
-        tiles = tiles_for(group, max_query_len, kv_cache.dtype)
+        tiles = tiles_for(group, max_query_len, query_dtype or kv_cache.dtype)
         seqs, starts = attention_tiles(query_lens, tiles.block_m // group)
         tile_seqs = torch.cat([row_starts[:num_rows], tensor(seqs, torch.int32) + num_rows])
         tile_starts = torch.cat([torch.zeros_like(row_starts[:num_rows]), tensor(starts, torch.int32)])
@@ -104,6 +115,7 @@ def build_paged_batch(
         tile_starts=tile_starts,
         tiles=tiles,
         num_rows=num_rows,
+        kv_scales=kv_scales,
     )
 
 
@@ -130,10 +142,13 @@ def reference_paged_attention(
     scale: float,
     max_query_len: int | None = None,  # the longest query_lens / context_lens, when the caller knows them
     max_context_len: int | None = None,
+    k_scale: torch.Tensor | None = None,  # [Hkv] fp32: fp8 caches only, which hold k / k_scale
+    v_scale: torch.Tensor | None = None,  # [Hkv] fp32
 ) -> torch.Tensor:  # [T, Hq, D]
     """Gather each sequence's pages (whole pages: one copy of block_size x Hkv x D per page) into a padded batch
     and run one masked SDPA call (the CPU path). A decode batch (one new token per sequence) needs no causal mask
-    and no query gather: its mask is the context length alone."""
+    and no query gather: its mask is the context length alone. fp8 pages are gathered as they are (1 byte per
+    element), then widened to the query's dtype and multiplied by their scales (exact: powers of two)."""
     block_size = k_cache.shape[1]
     context_lens = context_lens.long()
     num_seqs = block_tables.shape[0]
@@ -143,6 +158,9 @@ def reference_paged_attention(
     # index_select on the page dimension: one contiguous copy per page (advanced indexing takes ~2x as long on a CPU)
     gather = lambda cache: cache.index_select(0, pages).view(num_seqs, num_pages * block_size, *cache.shape[2:])
     keys, values = gather(k_cache), gather(v_cache)  # [S, C, Hkv, D], C = num_pages * block_size
+    if k_scale is not None:
+        keys = keys.to(query.dtype) * k_scale.to(query.dtype)[:, None]
+        values = values.to(query.dtype) * v_scale.to(query.dtype)[:, None]
     pos = torch.arange(num_pages * block_size, device=query.device)  # [C]
     if query.shape[0] == num_seqs and (max_query_len == 1 or max_query_len is None and bool(
             (query_starts[1:] - query_starts[:-1] == 1).all())):
@@ -171,7 +189,7 @@ def reference_paged_attention(
     return out.transpose(1, 2)[row_valid]
 
 
-def _torch_backend(query, k_cache, v_cache, batch: PagedBatch, scale: float) -> torch.Tensor:
+def _torch_backend(query, k_cache, v_cache, batch: PagedBatch, scale: float, k_scale=None, v_scale=None):
     """A step that mixes decode rows with longer chunks (prompts, continuations after a tool call) runs the rows
     apart: padded to the longest chunk, each row would cost that chunk's length in queries (6.5 ms instead of
     1.5 ms a layer for 32 rows of 384 positions and one 17-token chunk, 8 query and 2 KV heads of 32, 2 CPU
@@ -180,20 +198,20 @@ def _torch_backend(query, k_cache, v_cache, batch: PagedBatch, scale: float) -> 
     if rows == 0 or batch.max_query_len == 1 or rows == batch.block_tables.shape[0]:
         return reference_paged_attention(
             query, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_starts, scale,
-            batch.max_query_len, batch.max_context_len,
+            batch.max_query_len, batch.max_context_len, k_scale, v_scale,
         )  # fmt: skip
     decode = reference_paged_attention(
         query[:rows], k_cache, v_cache, batch.block_tables[:rows], batch.context_lens[:rows],
-        batch.query_starts[: rows + 1], scale, 1, batch.max_context_len,
+        batch.query_starts[: rows + 1], scale, 1, batch.max_context_len, k_scale, v_scale,
     )  # fmt: skip
     chunks = reference_paged_attention(
         query[rows:], k_cache, v_cache, batch.block_tables[rows:], batch.context_lens[rows:],
-        batch.query_starts[rows:] - rows, scale, batch.max_query_len, batch.max_context_len,
+        batch.query_starts[rows:] - rows, scale, batch.max_query_len, batch.max_context_len, k_scale, v_scale,
     )  # fmt: skip
     return torch.cat([decode, chunks])
 
 
-def _triton_backend(query, k_cache, v_cache, batch: PagedBatch, scale: float) -> torch.Tensor:
+def _triton_backend(query, k_cache, v_cache, batch: PagedBatch, scale: float, k_scale=None, v_scale=None):
     return triton_paged_attention(
         query,
         k_cache,
@@ -205,6 +223,8 @@ def _triton_backend(query, k_cache, v_cache, batch: PagedBatch, scale: float) ->
         batch.tile_starts,
         scale,
         batch.tiles,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -257,6 +277,35 @@ def register_backend(name: str, forward: Callable, *, triton: bool = False) -> N
         TRITON_BACKENDS.discard(name)
 
 
+def layer_kv(batch: PagedBatch, layer: int):
+    """(k_cache, v_cache [num_blocks, block_size, Hkv, D], k_scale, v_scale [Hkv] or None) of one layer."""
+    k_cache, v_cache = batch.kv_cache[layer].unbind(0)
+    k_scale, v_scale = (None, None) if batch.kv_scales is None else batch.kv_scales[layer].unbind(0)
+    return k_cache, v_cache, k_scale, v_scale
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [T, Hkv, D] -> float8_e4m3fn x / scale, clamped to +-448 (scale [Hkv] fp32, powers of two: exact division;
+    then one round to nearest even, as the GPU's cvt.rn.satfinite does)."""
+    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def store_kv(k_cache, v_cache, slots, key, value, k_scale=None, v_scale=None) -> None:
+    """Write the new tokens' key/value [T, Hkv, D] into their slots [T]: rounded to the cache's dtype, or quantized
+    with the layer's scales into an fp8 cache."""
+    if k_scale is not None:
+        key, value = quantize_kv(key, k_scale), quantize_kv(value, v_scale)
+    k_cache.flatten(0, 1)[slots] = key.to(k_cache.dtype)
+    v_cache.flatten(0, 1)[slots] = value.to(v_cache.dtype)
+
+
+def attend(query, k_cache, v_cache, batch: PagedBatch, scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
+    """[T, Hq, D]: the step's attention through its backend; fp8 caches pass their scales (torch and triton)."""
+    if k_scale is None:
+        return BACKENDS[batch.backend](query, k_cache, v_cache, batch, scale)
+    return BACKENDS[batch.backend](query, k_cache, v_cache, batch, scale, k_scale, v_scale)
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention signature: query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None)."""
     batch = _current
@@ -264,12 +313,12 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         raise RuntimeError(f"attention '{ATTENTION_NAME}' only runs inside fastgrpo.sampling.Engine.generate")
     if query.shape[0] != 1:
         raise RuntimeError(f"attention '{ATTENTION_NAME}' expects the packed batch of 1, got {query.shape[0]}")
-    k_cache, v_cache = batch.kv_cache[module.layer_idx].unbind(0)  # [num_blocks, block_size, Hkv, D] each
-    q = query[0].transpose(0, 1).to(k_cache.dtype)  # [T, Hq, D]
-    k_cache.flatten(0, 1)[batch.slot_mapping] = key[0].transpose(0, 1).to(k_cache.dtype)
-    v_cache.flatten(0, 1)[batch.slot_mapping] = value[0].transpose(0, 1).to(k_cache.dtype)
+    k_cache, v_cache, k_scale, v_scale = layer_kv(batch, module.layer_idx)  # [num_blocks, block_size, Hkv, D]
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    q = q if k_scale is not None else q.to(k_cache.dtype)  # (an fp8 cache's queries stay in the model's dtype)
+    store_kv(k_cache, v_cache, batch.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1), k_scale, v_scale)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = BACKENDS[batch.backend](q, k_cache, v_cache, batch, scale)  # [T, Hq, D]
+    out = attend(q, k_cache, v_cache, batch, scale, k_scale, v_scale)  # [T, Hq, D]
     return out.to(query.dtype).unsqueeze(0), None
 
 

@@ -3,14 +3,14 @@
 Every sequence that feeds exactly one token a step (its last sampled one) is a row of the decode batch. A step's
 inputs for all rows are a handful of tensor ops on the device, whatever the batch size: the token each row feeds is
 the one it sampled last step (never read back to the host), its position is its context length, and its KV slot
-comes from its row of the block table. The host touches a row only when something changes: the row joins (a prompt
-forks, a recompute or a continuation catches up), leaves (it finished or ended its turn, or its group is
-preempted) or crosses into a new page. Host mirrors (numpy) of the context lengths and page counts let the scheduler
-find page crossings without a device read.
+comes from its row of the block table. The host touches a row only when something changes: the row joins (a
+completion starts, a recompute or a continuation catches up), leaves (it finished, ended its turn or was preempted)
+or crosses into a new page. Host mirrors (numpy) of the context lengths and page counts let the scheduler find page
+crossings without a device read.
 
 Sampled tokens and their logprobs go straight into per-sequence output buffers ([sequences, max_new_tokens]); the
-host reads them once, when the call ends (and for a preempted group's recompute, an ended turn, or a stop-string
-check).
+host reads them once, when the call ends (and for a preempted completion's recompute, an ended turn, or a
+stop-string check).
 """
 
 import numpy as np

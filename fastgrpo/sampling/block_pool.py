@@ -8,9 +8,27 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 def group_pages(prompt_length: int, n: int, max_new_tokens: int, block_size: int) -> int:
-    """The most pages a prompt group holds: its prompt's full pages, shared, and for each of its n completions the
-    prompt's partial page and max_new_tokens (the least pool that can sample it)."""
+    """Pages of n completions at full length that share their prompt's full pages: each holds its own copy of the
+    prompt's partial page, then max_new_tokens."""
     return prompt_length // block_size + n * blocks_for(prompt_length % block_size + max_new_tokens, block_size)
+
+
+def _keeps_partial_page(prompt_length: int, n: int, block_size: int) -> bool:
+    """Whether the prompt keeps a partial page of its own while its completions run: they copy it, unless there is
+    one completion only, which takes the prompt's pages over (scheduler.py)."""
+    return n > 1 and prompt_length % block_size > 0
+
+
+def least_pages(prompt_length: int, n: int, max_new_tokens: int, block_size: int) -> int:
+    """The least pool that samples a group: the prompt's pages and one completion's. The scheduler runs, waits and
+    preempts completions one by one, so the group's n completions can run one after another."""
+    return group_pages(prompt_length, 1, max_new_tokens, block_size) + _keeps_partial_page(prompt_length, n, block_size)
+
+
+def most_pages(prompt_length: int, n: int, max_new_tokens: int, block_size: int) -> int:
+    """The most pages a group holds: the prompt's pages and all n completions' at full length (a larger pool never
+    runs out)."""
+    return group_pages(prompt_length, n, max_new_tokens, block_size) + _keeps_partial_page(prompt_length, n, block_size)
 
 
 class BlockPool:
@@ -43,24 +61,3 @@ class BlockPool:
             self.ref_counts[i] -= 1
             if self.ref_counts[i] == 0:
                 self.free_ids.append(i)
-
-    def fork(self, table: list[int], num_tokens: int, spare: list[int], n: int) -> tuple[list[list[int]], list]:
-        """Tables for n children of a sequence of `num_tokens` cached tokens in `table`.
-
-        Full pages are shared. A partial last page belongs to the first child; every other child gets one page
-        from `spare` (reserved beforehand) and a (src, dst) copy to make. The parent's references pass to the
-        children: the caller drops `table` without freeing it.
-        """
-        full = num_tokens // self.block_size
-        shared, tail = table[:full], table[full:]
-        assert len(tail) <= 1 and len(spare) == (n - 1) * len(tail), (len(tail), len(spare), n)
-        tables, copies = [], []
-        for child in range(n):
-            own = shared if child == 0 else self.share(shared)
-            if tail and child > 0:
-                copies.append((tail[0], spare[child - 1]))
-                own = own + [spare[child - 1]]
-            elif tail:
-                own = own + tail
-            tables.append(list(own))
-        return tables, copies

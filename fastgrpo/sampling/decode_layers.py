@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fastgrpo.sampling.attention import BACKENDS, PagedBatch
+from fastgrpo.sampling.attention import FP8_MAX, PagedBatch, attend, layer_kv, store_kv
 
 FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -168,10 +168,10 @@ class FusedDecoder:
         cos, sin = (t[0] for t in inner.rotary_emb(hidden[None], positions[None]))  # [T, D] each
         residual = None
         for index, layer in enumerate(self.layers):
-            k_cache, v_cache = batch.kv_cache[index].unbind(0)
+            kv = layer_kv(batch, index)  # k_cache, v_cache, and their scales (fp8) or None
             normed, residual = self._add_norm(hidden, residual, layer.layer.input_layernorm)
-            queries = self._qkv(layer, normed, cos, sin, k_cache, v_cache, batch.slot_mapping)  # [T, Hq, D]
-            out = BACKENDS[batch.backend](queries, k_cache, v_cache, batch, layer.attn.scaling)
+            queries = self._qkv(layer, normed, cos, sin, *kv, batch.slot_mapping)  # [T, Hq, D]
+            out = attend(queries, kv[0], kv[1], batch, layer.attn.scaling, kv[2], kv[3])
             hidden = layer.attn.o_proj(out.flatten(1))
             normed, residual = self._add_norm(hidden, residual, layer.layer.post_attention_layernorm)
             gate_up = F.linear(normed, layer.gate_up_weight, layer.gate_up_bias)
@@ -187,7 +187,7 @@ class FusedDecoder:
         summed = x if residual is None else residual + x
         return norm(summed), summed
 
-    def _qkv(self, layer: FusedLayer, x, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
+    def _qkv(self, layer: FusedLayer, x, cos, sin, k_cache, v_cache, k_scale, v_scale, slots) -> torch.Tensor:
         qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, (Hq + 2 Hkv) D]
         num_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
         num_heads = qkv.shape[1] // head_dim - 2 * num_kv
@@ -195,7 +195,7 @@ class FusedDecoder:
             norm_weights = (None, None) if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight)
             eps = 0.0 if layer.q_norm is None else layer.q_norm.variance_epsilon
             return torch.ops.fastgrpo.rope_store(qkv, cos, sin, *norm_weights, k_cache, v_cache, slots, num_heads,
-                                                 eps)  # fmt: skip
+                                                 eps, k_scale, v_scale)  # fmt: skip
         q, k, v = qkv.split([num_heads * head_dim, num_kv * head_dim, num_kv * head_dim], dim=-1)
         q, k, v = q.view(-1, num_heads, head_dim), k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim)
         if layer.q_norm is not None:
@@ -203,12 +203,110 @@ class FusedDecoder:
         cos, sin = cos[:, None], sin[:, None]
         q = (q * cos) + (rotate_half(q) * sin)
         k = (k * cos) + (rotate_half(k) * sin)
-        k_cache.flatten(0, 1)[slots] = k.to(k_cache.dtype)
-        v_cache.flatten(0, 1)[slots] = v.to(v_cache.dtype)
-        return q.to(k_cache.dtype)
+        store_kv(k_cache, v_cache, slots, k, v, k_scale, v_scale)
+        return q.to(qkv.dtype)
 
     def _silu_mul(self, gate_up, mlp) -> torch.Tensor:
         if self.ops == "triton":
             return torch.ops.fastgrpo.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return mlp.act_fn(gate) * up
+
+
+# -- fp8 KV cache: per-head scales from a bound on the keys and values --
+
+
+def kv_scales_unsupported(hf_model) -> str | None:
+    """Why kv_scales cannot bound this model's keys and values; None when it can."""
+    name = type(hf_model).__name__
+    if name not in FAMILIES:
+        return f"{name} is not one of {', '.join(FAMILIES)}"
+    for index, layer in enumerate(hf_model.model.layers):
+        for proj in ("k_proj", "v_proj"):
+            reason = _linear_unsupported(getattr(layer.self_attn, proj))
+            if reason is not None:
+                return f"layers[{index}].{proj} is {reason}"
+    return None
+
+
+def _is_lora(module) -> bool:
+    return all(hasattr(module, name) for name in ("base_layer", "lora_A", "get_delta_weight", "active_adapters"))
+
+
+def _linear_unsupported(module) -> str | None:
+    if _is_lora(module):
+        if any(module.use_dora.get(adapter, False) for adapter in module.active_adapters):
+            return "a DoRA layer"
+        return _linear_unsupported(module.base_layer)
+    if type(module) is nn.Linear or type(getattr(module, "weight", None)).__name__ in ("Params4bit", "Int8Params"):
+        return None
+    return f"a {type(module).__name__}, not an nn.Linear, a peft LoRA layer or a bitsandbytes-quantized Linear"
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded parameter (FSDP2: an all-gather, which every rank makes in the same order)."""
+    t = t.data if isinstance(t, nn.Parameter) and isinstance(t.data, DTensor) else t
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def linear_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 (weight [out, in], bias [out] or None) of the linear map `module` computes: an nn.Linear's parameters; a
+    peft LoRA layer's base plus its active adapters' deltas (peft's own get_delta_weight, as a merge adds them); a
+    bitsandbytes base dequantized by peft."""
+    if _is_lora(module):
+        weight, bias = linear_weight(module.base_layer)
+        if not (module.disable_adapters or module.merged):
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    weight = weight + _dense(module.get_delta_weight(adapter)).float()
+        return weight, bias
+    if type(module) is nn.Linear:
+        weight = module.weight
+    else:
+        from peft.utils.integrations import dequantize_module_weight
+
+        weight = dequantize_module_weight(module)
+    bias = None if module.bias is None else _dense(module.bias).float()
+    return _dense(weight).float(), bias
+
+
+def kv_scales(hf_model) -> torch.Tensor:  # [layers, 2, Hkv] fp32
+    """Per layer, for K and for V, per KV head: the power of two s = 2^ceil(log2(bound / 448)), where `bound` bounds
+    |k| (|v|) over every possible input, so that k / s never passes e4m3's largest value 448. No calibration data, no
+    overflow, and the same weights give the same scales whatever is sampled (the tokens do not depend on the batch).
+
+    The input of k_proj / v_proj is u = g * xn, g the input RMSNorm's weight [H] and xn the normalised residual, whose
+    norm is at most sqrt(H) (rms(xn) <= 1). By Cauchy-Schwarz, for output row j of W [out, H] with bias b:
+
+        |v_j| <= B_j = sqrt(H) ||W_j * g||_2 + |b_j|
+        |k_j| <= B_j as well; Qwen3's per-head k_norm (weight w) makes it sqrt(D) |w_j| instead
+        rotary mixes j with j + D/2 (times the rotary's attention_scaling a):  |k'_j| <= a sqrt(B_j^2 + B_{j+D/2}^2)
+
+    and bound = the largest over the head's D values. The bound is reached only by an input aligned with a weight
+    row, so typical values sit well below 448 (a factor ~sqrt(H) for random directions): e4m3's relative precision
+    (3 mantissa bits) is the same over its normal range [2^-6, 448], so the headroom costs precision only for values
+    more than 2^15 below the bound. Powers of two make k / s and k8 * s exact, so the torch path, the Triton kernels
+    and a GPU round the same values the same way. A value can pass the bound only by the rounding of the model's
+    dtype (< 1% in bf16); it is then clamped to +-448 (attention.quantize_kv, the rope_store kernel)."""
+    inner = hf_model.model
+    rotary_gain = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))  # (YaRN scales cos and sin)
+    per_layer = []
+    for layer in inner.layers:
+        attn = layer.self_attn
+        head_dim = attn.head_dim
+        gamma = _dense(layer.input_layernorm.weight).float()  # [H]
+        bounds = []
+        for proj in (attn.k_proj, attn.v_proj):
+            weight, bias = linear_weight(proj)
+            bound = gamma.numel() ** 0.5 * (weight * gamma).norm(dim=1)  # [Hkv * D]
+            bounds.append((bound if bias is None else bound + bias.abs()).view(-1, head_dim))  # [Hkv, D]
+        k_bound, v_bound = bounds
+        k_norm = getattr(attn, "k_norm", None)
+        if k_norm is not None:
+            k_bound = head_dim**0.5 * _dense(k_norm.weight).float().abs().expand_as(k_bound)
+        half = head_dim // 2
+        rotated = rotary_gain * (k_bound[:, :half] ** 2 + k_bound[:, half:] ** 2).sqrt()  # [Hkv, D / 2]
+        per_layer.append(torch.stack([rotated.amax(-1), v_bound.amax(-1)]))  # [2, Hkv]
+    bound = torch.stack(per_layer)  # [layers, 2, Hkv]
+    # (an all-zero layer's bound of 0 gets the scale 2^-126, fp32's smallest normal power of two)
+    return torch.exp2(torch.ceil(torch.log2(bound / FP8_MAX))).clamp(min=2.0**-126)

@@ -22,7 +22,7 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -31,9 +31,9 @@ from fastgrpo.kernels.sampling import fused_sample
 from fastgrpo.models import find_hf_model, stop_token_ids
 from fastgrpo.sampling.attention import ATTENTION_NAME, TRITON_BACKENDS, build_paged_batch, paged_batch, triton_tiles
 from fastgrpo.sampling.batch import DecodeBatch, Outputs
-from fastgrpo.sampling.block_pool import BlockPool, blocks_for, group_pages
+from fastgrpo.sampling.block_pool import BlockPool, blocks_for, least_pages, most_pages
 from fastgrpo.sampling.cuda_graphs import DecodeGraphs
-from fastgrpo.sampling.decode_layers import FusedDecoder, unsupported
+from fastgrpo.sampling.decode_layers import FusedDecoder, kv_scales, kv_scales_unsupported, unsupported
 from fastgrpo.sampling.params import EngineConfig, SamplingParams, check_int
 from fastgrpo.sampling.sampler import SeenTokens, logit_floor, penalized, sample
 from fastgrpo.sampling.scheduler import Scheduler, Step
@@ -167,9 +167,13 @@ class Engine:
                 raise ValueError(f"{name} uses sliding-window attention, which the paged engine does not implement")
         self.device = self.hf_model.get_input_embeddings().weight.device
         self.dtype = self.hf_model.get_input_embeddings().weight.dtype
+        self.fp8 = self.config.kv_cache_dtype == "fp8"
         self.backend = self._resolve_backend()
         # The fused kernels (decode layers, sampler) run where Triton does: the triton/flash backends.
         self.fused_kernels = self.backend in TRITON_BACKENDS
+        if self.fp8:
+            self._check_fp8()
+        self._kv_scales: torch.Tensor | None = None  # [layers, 2, Hkv] fp32 during a call with an fp8 cache
         reason = unsupported(self.hf_model) if self.config.fused_layers else "fused_layers=False"
         self.decoder = None if reason else FusedDecoder(self.hf_model, "triton" if self.fused_kernels else "torch")
         self.layers = "fused" if self.decoder else f"transformers ({reason})"
@@ -182,12 +186,27 @@ class Engine:
         if choice == "auto":
             if not cuda:
                 return "torch"
-            return "flash" if half and self.config.block_size % 256 == 0 and _flash_attn_installed() else "triton"
+            flash = half and not self.fp8 and self.config.block_size % 256 == 0  # flash-attn reads no fp8 pages
+            return "flash" if flash and _flash_attn_installed() else "triton"
         if choice == "flash" and not (cuda and half and _flash_attn_installed()):
             raise ValueError("attention='flash' needs flash-attn installed, a CUDA model and fp16/bf16 weights")
         if choice == "triton" and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("attention='triton' needs a CUDA model (or TRITON_INTERPRET=1 on CPU)")
         return choice
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV pages' dtype."""
+        return torch.float8_e4m3fn if self.fp8 else self.dtype
+
+    def _check_fp8(self) -> None:
+        reason = kv_scales_unsupported(self.hf_model)
+        if reason is not None:
+            raise ValueError(f"kv_cache_dtype='fp8' bounds the keys and values of Llama/Qwen2/Qwen3 layers from their "
+                             f"weights: {reason}")
+        if self.fused_kernels and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError("kv_cache_dtype='fp8' with the Triton kernels needs a GPU with e4m3 conversions (compute "
+                             "capability 8.9 or newer: Ada, Hopper); use attention='torch' or kv_cache_dtype='auto'")
 
     # -- the public call --
 
@@ -256,10 +275,13 @@ class Engine:
             else:
                 self.decoder, self.layers = None, f"transformers ({reason})"
         with self._sampling_mode():
+            if self.fp8:  # from this call's weights (the model trains between calls)
+                self._check_fp8()
+                self._kv_scales = kv_scales(self.hf_model).to(self.device)
             # One page past the pool: scratch for the padding rows of CUDA graphs.
             kv_cache = torch.zeros(
                 self.num_layers, 2, num_blocks + 1, pool.block_size, self.num_kv_heads, self.head_dim,
-                dtype=self.dtype, device=self.device,
+                dtype=self.kv_dtype, device=self.device,
             )  # fmt: skip
             graphs = self._decode_graphs(kv_cache, max_blocks_per_seq)
             while True:
@@ -286,6 +308,7 @@ class Engine:
                 self.stats.num_steps += 1
                 self.stats.num_forward_tokens += step.num_tokens
             del kv_cache, graphs
+            self._kv_scales = None
         self.stats.num_preemptions = scheduler.num_preemptions
         self.stats.leaked_blocks = num_blocks - pool.num_free
         self.stats.prompt_tokens_computed = tuple(group.prompt_tokens_computed for group in groups)
@@ -336,10 +359,13 @@ class Engine:
                 )
 
     def _num_blocks(self, prompts: list[list[int]], n: int, params: SamplingParams) -> int:
-        """Pages for this call: as configured, or a fraction of free memory capped at what the call can use."""
+        """Pages for this call: as configured, or a fraction of free memory capped at what the call can use (every
+        group at full length at once). At least one prompt's pages and one completion's: the scheduler runs the
+        completions of a group one by one when that is all there is."""
         block_size = self.config.block_size
-        per_group = [group_pages(len(p), n, params.max_new_tokens, block_size) for p in prompts]
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        sizes = [(len(p), n, params.max_new_tokens, block_size) for p in prompts]
+        least = max(least_pages(*size) for size in sizes)
+        itemsize = torch.empty((), dtype=self.kv_dtype).element_size()  # (1 byte a value with fp8 pages)
         bytes_per_block = 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
         available = available_memory(self.device)
         if self.config.num_blocks is not None:
@@ -351,11 +377,12 @@ class Engine:
         elif available is None:
             raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass num_blocks")
         else:
-            num_blocks = min(int(available * self.config.memory_fraction // bytes_per_block) - 1, sum(per_group))
-        if num_blocks < max(per_group):
+            most = sum(most_pages(*size) for size in sizes)
+            num_blocks = min(int(available * self.config.memory_fraction // bytes_per_block) - 1, most)
+        if num_blocks < least:
             raise ValueError(
-                f"num_blocks={num_blocks} pages of {block_size} tokens cannot hold one prompt group "
-                f"(needs {max(per_group)}); raise num_blocks or memory_fraction, or lower n or max_new_tokens"
+                f"num_blocks={num_blocks} pages of {block_size} tokens cannot hold a prompt and one completion "
+                f"(needs {least}); raise num_blocks or memory_fraction, or lower max_new_tokens"
             )
         return num_blocks
 
@@ -429,7 +456,8 @@ class Engine:
                        kv_cache: torch.Tensor) -> torch.Tensor:  # [rows that sample, V]
         group = self.num_heads // self.num_kv_heads
         lists = (host.slots, host.block_tables, host.query_lens, host.context_lens) if host else ([], [], [], [])
-        paged = build_paged_batch(kv_cache, *lists, self.backend, group, rows=rows, rows_max_context=rows_max_context)
+        paged = build_paged_batch(kv_cache, *lists, self.backend, group, rows=rows, rows_max_context=rows_max_context,
+                                  query_dtype=self.dtype)  # fmt: skip
         input_ids = rows["input_ids"] if rows else None
         positions = rows["positions"] if rows else None
         keep = 0  # decode rows only: every token samples
@@ -445,6 +473,8 @@ class Engine:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, paged, keep: torch.Tensor | int = 0):
         """[rows kept, V] logits of the packed tokens input_ids/positions [T]; keep: 0 (all) or packed indices."""
+        if self._kv_scales is not None and paged.kv_scales is None:  # an fp8 cache (and the batches of CUDA graphs)
+            paged = replace(paged, kv_scales=self._kv_scales)
         if self.decoder is not None:
             return self.decoder(input_ids, positions, paged, keep)
         with paged_batch(paged):

@@ -3,7 +3,7 @@
 import math
 from dataclasses import dataclass
 
-from fastgrpo.sampling.attention import BACKENDS
+from fastgrpo.sampling.attention import BACKENDS, FP8_BACKENDS
 
 
 def check_int(name: str, value, minimum: int) -> None:
@@ -80,6 +80,9 @@ class EngineConfig:
     fused_layers: run Llama/Qwen2/Qwen3 models through the engine's own layers (decode_layers.py: q/k/v and
         gate/up fused in place into one GEMM each, fused norm/rotary/SiLU kernels with the triton or flash backend);
         False, or another architecture, runs transformers' modules with the paged attention function.
+    kv_cache_dtype: "auto" (the model's dtype) or "fp8" (float8_e4m3fn pages, half of bf16's bytes, with one
+        power-of-two scale per layer, K or V, and KV head, bounded from the weights: decode_layers.kv_scales). fp8
+        needs a Llama/Qwen2/Qwen3 model and the torch or triton attention backend ("auto" then never picks flash).
     """
 
     block_size: int = 16
@@ -90,6 +93,7 @@ class EngineConfig:
     attention: str = "auto"
     cuda_graphs: bool = True
     fused_layers: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         check_int("block_size", self.block_size, 1)
@@ -106,3 +110,8 @@ class EngineConfig:
         for name in ("cuda_graphs", "fused_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8" and self.attention not in ("auto", *FP8_BACKENDS):
+            raise ValueError(f"kv_cache_dtype='fp8' needs attention 'auto', 'torch' or 'triton' (the backends that "
+                             f"read fp8 pages with their scales), got {self.attention!r}")

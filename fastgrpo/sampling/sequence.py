@@ -1,4 +1,5 @@
-"""Sequences and prompt groups: a prompt is prefilled once (the group's `prompt` sequence), then forked n times."""
+"""Sequences and prompt groups: a prompt is prefilled once (the group's `prompt` sequence), and its n completions
+(the group's children) share its pages."""
 
 from dataclasses import dataclass, field
 
@@ -9,7 +10,8 @@ class Sequence:
 
     A completion's sampled tokens live in the engine's output buffers (row `seq_id`), not here: while it decodes,
     its state is a row of the decode batch (`row`), and only when it leaves the batch (preempted, or resumed after
-    its turn ended) are its tokens copied back into `token_ids` for the recompute or the continuation.
+    its turn ended) are its tokens copied back into `token_ids` for the recompute or the continuation. It holds
+    pages (`block_table`) from when it starts until it finishes or is preempted.
     `num_cached` and `num_generated` are current whenever the sequence is not in the decode batch (the batch keeps
     them while it is).
 
@@ -47,28 +49,28 @@ class Sequence:
 class Group:
     """One prompt and its n completions (output rows index * n .. index * n + n - 1).
 
-    Until `forked`, only `prompt` computes; when its last prompt token is cached the group forks: `children` share
-    its full pages. After a preemption the group starts over from the prompt, and the fork hands the prompt pages to
-    the unfinished children, which then recompute their own tokens (parked ones once their next turn is given).
+    Until `forked`, only `prompt` computes. When its last token is cached, the group forks: the n first tokens are
+    sampled from its logits and the children are created. The prompt keeps its pages; each child, when it starts,
+    shares their full pages and copies the partial last one (the child of a group of one takes them over).
+    After the prompt's pages are freed (a preemption), the group starts over from the prompt, and its unfinished
+    children start again from its new pages.
     """
 
     prompt: Sequence
     n: int
     index: int = 0  # the prompt's place in the call
     children: list[Sequence] = field(default_factory=list)
-    forked: bool = False
-    fork_spare: list[int] = field(default_factory=list)  # pages reserved for copies of the partial prompt page
-    prompt_tokens_computed: int = 0  # prompt positions that went through the model, all sequences together
+    forked: bool = False  # the prompt is cached: its pages are the prompt's (or, at n = 1, its child's)
+    prompt_tokens_computed: int = 0  # prompt positions that went through the model
     num_finished: int = 0
-    pending: list[Sequence] = field(default_factory=list)  # sequences with host work: the prompt, recomputes
+    # Sequences with host work, in seq_id order (the prompt first): the prompt while it is prefilled, children that
+    # start (their first token, a recompute, a continuation after a turn) or that recompute or continue.
+    pending: list[Sequence] = field(default_factory=list)
     admitted: bool = False  # it has run (admission budgets count a group once, preempted or not)
 
     def __post_init__(self):
         if not self.pending and not self.children:
             self.pending = [self.prompt]
-
-    def active_children(self) -> list[Sequence]:
-        return [seq for seq in self.children if not seq.finished]
 
     @property
     def num_parked(self) -> int:
@@ -76,7 +78,7 @@ class Group:
 
     @property
     def width(self) -> int:
-        """Sequences this group decodes at once."""
+        """Its unfinished completions."""
         return self.n - self.num_finished
 
     @property

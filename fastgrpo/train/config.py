@@ -163,6 +163,10 @@ class TrainConfig:
     sampling_memory_fraction: float = option(0.8, "fraction of free memory the KV cache may take while sampling")
     kv_cache_blocks: int | None = option(
         None, "pages in the sampler's KV pool; None sizes it from sampling_memory_fraction (--auto-fit sets it)")
+    kv_cache_dtype: str = option(
+        "auto", "the sampler's KV cache: the model's dtype, or fp8 (e4m3, per-head scales bounded from the weights: "
+                "half of bf16's bytes; the sampler's logprobs then differ more from the training forward's, see "
+                "--importance-sampling-correction)", choices=("auto", "fp8"))
     loss_chunk_tokens: int | None = option(
         None, "tokens per chunk of the fused loss; None: ~2 GiB of logits on a GPU, 32 MiB on a CPU (--auto-fit may "
               "lower it)")
@@ -291,6 +295,19 @@ class TrainConfig:
     auto_fit: bool = option(
         False, "pick the largest per_device_train_batch_size (gradient_accumulation_steps and steps_per_generation "
                "scaled to keep the update), the KV pool and the loss chunk that fit gpu_memory by the memory plan")
+    mlp_tile_tokens: int | None = option(
+        None, "run each decoder layer's MLP over the micro-batch this many tokens at a time, keeping only its input "
+              "for the backward, which recomputes each tile: a layer's backward then holds [tile, intermediate] "
+              "tensors instead of [tokens, intermediate] (e.g. 4096; checkpointed, the MLP runs no more often; "
+              "without gradient_checkpointing, once more); None: the whole micro-batch at once")
+    recompute_lora_inputs: bool = option(
+        True, "LoRA adapters keep their input in the compute dtype (one tensor for q, k and v) and redo its fp32 cast "
+              "and dropout mask in the backward, instead of keeping an fp32, dropped-out copy each; the gradients "
+              "are peft's, bit for bit")
+    mask_free_attention: bool = option(
+        True, "with sdpa attention, a right-padded micro-batch attends with is_causal and no [b, 1, T, T] mask "
+              "(which also rules out the flash kernel and repeats K and V per query head); exact for every token "
+              "but the pads, which nothing reads")
     # -- evaluation, checkpoints, logs --
     output_dir: str | None = option(None, "where the run goes (config, metrics.jsonl, checkpoints, plots); "
                                           "default runs/<date-time>")
@@ -315,7 +332,7 @@ class TrainConfig:
         _check_types(self)
         if self.gpu_memory is not None:
             parse_size(self.gpu_memory)  # a size, or a ValueError naming gpu_memory
-        for name in ("kv_cache_blocks", "loss_chunk_tokens"):
+        for name in ("kv_cache_blocks", "loss_chunk_tokens", "mlp_tile_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1 (or None), got {getattr(self, name)}")
         positive = ("num_generations", "max_completion_length", "block_size", "num_iterations", "max_num_gen_batches",

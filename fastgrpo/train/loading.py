@@ -15,6 +15,7 @@ from fastgrpo.loss import head_transform
 from fastgrpo.sampling.engine import context_window
 from fastgrpo.train.config import BUILTIN, TrainConfig, is_local_path, read_utf8, train_dtype
 from fastgrpo.train.quantization import bitsandbytes, four_bit, keep_trainable
+from fastgrpo.train.tiling import apply_layer_memory_options, use_mask_free_sdpa
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 PACKED_ATTENTION = ("flash_attention_2", "flash_attention_3")  # varlen kernels: packing costs no extra FLOPs
@@ -227,6 +228,8 @@ def _from_pretrained(path: str, config: TrainConfig, dtype: torch.dtype, device:
         model = model.to(device)
     if config.use_liger_kernel and not any(type(m).__module__.startswith("liger_kernel") for m in model.modules()):
         raise ValueError(f"use_liger_kernel: liger-kernel has no kernels for {model.config.model_type!r} models")
+    if config.mask_free_attention:
+        use_mask_free_sdpa(model)
     check_head(model)
     return model
 
@@ -265,11 +268,13 @@ def load_policy(config: TrainConfig, device: torch.device, checkpoint: Path | No
         except ImportError as e:
             raise ImportError("use_peft needs peft: pip install peft") from e
         if checkpoint is not None:
-            return PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
-        lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                          target_modules=config.lora_target_modules if config.lora_target_modules != ["all-linear"]
-                          else "all-linear", task_type="CAUSAL_LM")
-        return get_peft_model(model, lora)
+            model = PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
+        else:
+            lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                              target_modules=config.lora_target_modules if config.lora_target_modules != ["all-linear"]
+                              else "all-linear", task_type="CAUSAL_LM")
+            model = get_peft_model(model, lora)
+    apply_layer_memory_options(model, config.mlp_tile_tokens, config.use_peft and config.recompute_lora_inputs)
     return model
 
 

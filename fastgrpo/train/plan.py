@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastgrpo.sampling.block_pool import group_pages
+from fastgrpo.sampling.block_pool import least_pages, most_pages
 from fastgrpo.sampling.engine import available_memory
 from fastgrpo.sampling.params import EngineConfig
 from fastgrpo.sizes import GiB
@@ -100,6 +100,11 @@ def usable(gpu_bytes: int) -> int:
 
 def dtype_bytes(config: TrainConfig, device_type: str) -> int:
     return train_dtype(config, device_type).itemsize
+
+
+def kv_bytes(config: TrainConfig, device_type: str) -> int:
+    """Bytes of one value in the sampler's KV pages: 1 with kv_cache_dtype fp8, else the model dtype's."""
+    return 1 if config.kv_cache_dtype == "fp8" else dtype_bytes(config, device_type)
 
 
 def weight_bytes(s: Shapes, config: TrainConfig, b: int) -> int:
@@ -196,14 +201,17 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
         grads = s.params * b
     resident = {**weights, **trainable}
 
-    # sampling: the KV pool (pages of block_size tokens, prompts shared within a group, one scratch page), then the
-    # larger of a prefill forward (max_num_batched_tokens) and a decode step (a token per running sequence)
+    # sampling: the KV pool (pages of block_size tokens, prompts shared within a group, one scratch page): every
+    # group at full length at once, or kv_blocks; auto_fit cuts it to what fits, down to one prompt's pages and one
+    # completion's (the engine runs a group's completions one by one if it must). Then the larger of a prefill
+    # forward (max_num_batched_tokens) and a decode step (a token per running sequence)
     G, P = config.num_generations, config.generation_batch_size // config.num_generations
     bs = config.block_size
-    needed = P * group_pages(prompt, G, config.max_completion_length, bs)
+    needed = P * most_pages(prompt, G, config.max_completion_length, bs)
+    least = least_pages(prompt, G, config.max_completion_length, bs)
     blocks = needed if kv_blocks is None else kv_blocks  # the engine allocates kv_cache_blocks pages as given
     rows = min(ENGINE.max_num_seqs, config.generation_batch_size)
-    kv = (blocks + 1) * kv_block_bytes(s, bs, b)
+    kv = (blocks + 1) * kv_block_bytes(s, bs, kv_bytes(config, device_type))
     prefill_tokens = min(ENGINE.max_num_batched_tokens, P * prompt + rows)
     prefill = prefill_tokens * layer_forward_per_token(s, config, b, training=False)
     sampling = {**resident, "KV pool": kv, "engine forward": max(prefill, rows * 2 * s.hidden * b),
@@ -240,6 +248,7 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
               "train: backward": {**stored, "layer backward": backward},
               "train: optimizer step": {**resident, "gradients": grads, "update temporaries": grads}}
     return Plan(phases, {"per_device_train_batch_size": mb, "kv_blocks": blocks, "kv_blocks_needed": needed,
+                         "kv_blocks_least": least,
                          "loss_chunk_tokens": chunk, "chunk_override": chunk_tokens,
                          "samples_per_step": config.per_device_train_batch_size * config.gradient_accumulation_steps})
 
@@ -258,14 +267,14 @@ def check_kv_cache_blocks(config: TrainConfig, shapes: Shapes, device: torch.dev
     if blocks is None:
         return
     bs, G, m = config.block_size, config.num_generations, config.max_completion_length
-    needed = max([group_pages(t, G, m, bs) for t in set(prompt_lengths)]
-                 + [group_pages(t, 1, m, bs) for t in set(eval_prompt_lengths)])  # evaluation: one completion each
+    needed = max([least_pages(t, G, m, bs) for t in set(prompt_lengths)]
+                 + [least_pages(t, 1, m, bs) for t in set(eval_prompt_lengths)])  # evaluation: one completion each
     if blocks < needed:
-        raise ValueError(f"kv_cache_blocks {blocks} is too few: sampling one prompt group (a prompt and its "
-                         f"num_generations {G} completions of up to max_completion_length {m} tokens) needs {needed} "
-                         f"pages of {bs} tokens; give at least {needed}, or leave it unset to size the pool from "
-                         "sampling_memory_fraction")
-    page = kv_block_bytes(shapes, bs, dtype_bytes(config, device.type))
+        raise ValueError(f"kv_cache_blocks {blocks} is too few: sampling needs a prompt's pages and one completion's "
+                         f"(of up to max_completion_length {m} tokens; the num_generations {G} completions can run one "
+                         f"after another), {needed} pages of {bs} tokens; give at least {needed}, or leave it unset to "
+                         "size the pool from sampling_memory_fraction")
+    page = kv_block_bytes(shapes, bs, kv_bytes(config, device.type))
     available = available_memory(device)
     if available is not None and (blocks + 1) * page > available:  # one scratch page past the pool
         where = f"free on {device}" if device.type == "cuda" else "MemAvailable in /proc/meminfo"
@@ -298,8 +307,7 @@ def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: s
             if over > 0:  # fewer KV pages: the engine then runs the round in waves (preemption by recompute)
                 per_block = plan.phases["sampling"]["KV pool"] // (plan.settings["kv_blocks"] + 1)
                 blocks = plan.settings["kv_blocks"] - math.ceil(over / per_block)
-                group = plan.settings["kv_blocks_needed"] // (config.generation_batch_size // config.num_generations)
-                if blocks < group:
+                if blocks < plan.settings["kv_blocks_least"]:
                     continue
                 plan = plan_memory(config, device_type=device_type, micro_batch=mb, chunk_tokens=chunk,
                                    kv_blocks=blocks, shapes=shapes, prompt_length=prompt_length)

@@ -368,7 +368,7 @@ class Trainer:
         # touch streams, which a CUDA-graph capture does not allow): decode steps run eager there.
         self.engine = Engine(self.model, tokenizer=self.tokenizer, block_size=config.block_size,
                              num_blocks=config.kv_cache_blocks, memory_fraction=config.sampling_memory_fraction,
-                             cuda_graphs=self.parallelism != "fsdp")
+                             cuda_graphs=self.parallelism != "fsdp", kv_cache_dtype=config.kv_cache_dtype)
 
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(config, self.parameters)

@@ -413,7 +413,7 @@ def test_a_hung_tool_is_cut_at_its_timeout_and_the_run_goes_on(agent_assets, tmp
     config = TrainConfig(
         model_name_or_path=agent_assets["model"], dataset_name=agent_assets["data"], output_dir=str(tmp_path / "run"),
         num_generations=2, per_device_train_batch_size=2, max_completion_length=400, max_steps=2, save_steps=0,
-        eval_num_samples=1, report_to=["none"], disable_tqdm=True, tool_timeout=0.5,
+        eval_num_samples=1, report_to=["none"], disable_tqdm=True, tool_timeout=0.5, max_prompt_length=None,
         tools=[f"{functions}:{name}" for name in ("hang", "add", "ahang")], reward_funcs=[f"{functions}:record"],
     )  # fmt: skip
     trainer = Trainer(config)

@@ -523,15 +523,18 @@ class Trainer:
 
     def _round(self, picked: list[int], params: SamplingParams, first_group: int = 0) -> list[RankRound]:
         """The groups of train prompts `picked`, sampled (this rank's share) and scored, gathered to every rank in
-        group order."""
+        group order. A rank that fails while sampling or scoring ends every rank with its error (World.together),
+        before any of them enters the gather."""
         mine = None
-        sampled = self._sample(self.train_prompts, picked, self.config.num_generations, params, first_group)
-        if sampled is not None:  # a process gets no group when a round has fewer groups than processes
-            samples = [picked[i] for i in self.world.share(len(picked)) for _ in range(self.config.num_generations)]
-            per_func, rewards = self._score(samples, sampled)
-            mine = RankRound(sampled.groups, sampled.prompt_ids, sampled.tool_counts, per_func, rewards,
-                             self.engine.stats.num_preemptions if self.rollout_func is None else 0,
-                             self.rewards.logged_metrics, self.rewards.logged_columns)
+        with self.world.together("sampling and rewards"):
+            sampled = self._sample(self.train_prompts, picked, self.config.num_generations, params, first_group)
+            if sampled is not None:  # a process gets no group when a round has fewer groups than processes
+                samples = [picked[i] for i in self.world.share(len(picked))
+                           for _ in range(self.config.num_generations)]
+                per_func, rewards = self._score(samples, sampled)
+                mine = RankRound(sampled.groups, sampled.prompt_ids, sampled.tool_counts, per_func, rewards,
+                                 self.engine.stats.num_preemptions if self.rollout_func is None else 0,
+                                 self.rewards.logged_metrics, self.rewards.logged_columns)
         return [part for part in self.world.gather(mine) if part is not None]
 
     def _dynamic_round(self, params: SamplingParams) -> tuple[list[int], list[RankRound], dict]:
@@ -573,7 +576,7 @@ class Trainer:
                     return None
                 return 1 if self._flat(rewards) else 0
 
-            with distributed.unsharded(self.policy):
+            with self.world.together("sampling and rewards"), distributed.unsharded(self.policy):
                 groups = self.engine.generate([data.token_ids[i] for i in candidates], n=G, params=params,
                                               group_ids=list(range(len(candidates))), admit=P, group_done=group_done)
             del groups  # (the finished ones are in `records`)
@@ -673,7 +676,7 @@ class Trainer:
         # 1. sample (this rank's prompt groups) and 2. score them; then every rank gets the whole round
         params = self._sampling_params(self._seed("sample"))
         dynamic = {}
-        with self.world.together("sampling and rewards"), self._phase("sampling"):
+        with self._phase("sampling"):  # (each round's sampling and scoring runs in World.together)
             if config.dynamic_sampling:
                 picked, parts, dynamic = self._dynamic_round(params)
             else:

@@ -148,3 +148,71 @@ def test_auto_fit_picks_a_smaller_micro_batch_and_the_update_stays(assets, tmp_p
     assert "per_device_train_batch_size 4" in text and "fits in" in text
     with pytest.raises(ValueError, match=r"auto_fit: give gpu_memory"):
         Trainer(make_config(assets, tmp_path / "c", auto_fit=True))
+
+
+def test_plan_counts_the_layer_options_and_fp8_kv():
+    """The tiled MLP drops 4 I b per token from what a layer keeps, LoRA inputs kept as they come replace peft's fp32
+    copies, mask-free attention drops the repeated K/V and the [m, 1, T, T] mask, fp8 halves the KV pool."""
+    shapes = model_shapes(model_config(make_config_for(QWEN_7B)))
+    H, inter, q = shapes.hidden, shapes.intermediate, shapes.heads * shapes.head_dim
+    tokens, T = 8 * (256 + 1024), 256 + 1024
+    backward = lambda **o: plan_memory(make_config_for(QWEN_7B, use_peft=True, bf16=True, **o),
+                                       shapes=shapes).phases["train: backward"]["layer backward"]
+    plain = backward(recompute_lora_inputs=False)
+    masked = backward(recompute_lora_inputs=False, mask_free_attention=False)
+    assert masked - plain == tokens * 2 * q * 2 + 8 * T * T * 3  # GQA's repeated K, V and the mask with its copy
+    peft_inputs = 5 * (3 * H + q + 2 * H + inter)  # fp32 and a dropout mask per input value
+    assert plain - backward() == tokens * (peft_inputs - 2 * inter - 4 * 16 * 7)
+    tiled = backward(mlp_tile_tokens=1024)  # a tile's SwiGLU (4 I b) and gradients (10 I), down's input, fp32 casts
+    untiled_only = tokens * (4 * inter * 2 + 2 * inter + 4 * 16 * 3 + 10 * inter)
+    assert backward() - tiled == untiled_only - 1024 * (18 * inter + 2 * inter + 4 * inter + 12 * 16)
+    pool = lambda kv: plan_memory(make_config_for(QWEN_7B, use_peft=True, bf16=True, kv_cache_dtype=kv),
+                                  shapes=shapes).phases["sampling"]["KV pool"]
+    assert pool("auto") == 2 * pool("fp8")
+
+
+def test_auto_fit_prefers_the_micro_batch_then_no_tiles_then_large_tiles_then_fewer_pages():
+    shapes = model_shapes(model_config(make_config_for(QWEN_7B)))
+    config = lambda length: make_config_for(QWEN_7B, use_peft=True, load_in_4bit=True, offload_activations=True,
+                                            bf16=True, max_completion_length=length, max_prompt_length=512)
+    from fastgrpo.train.plan import auto_fit, fitted, usable
+
+    short = auto_fit(config(1024), 24 * GiB, shapes)
+    assert fitted(config(1024), short) == {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
+                                           "steps_per_generation": 1}  # no tiles, the whole pool: it fits as it is
+    long = auto_fit(config(16384), 24 * GiB, shapes)
+    picks = fitted(config(16384), long)
+    assert picks["mlp_tile_tokens"] == 16384 and picks["per_device_train_batch_size"] == 4 and long.fits(24 * GiB)
+    untiled = plan_memory(config(16384), shapes=shapes, micro_batch=4)
+    assert untiled.peak("train: backward") > usable(24 * GiB)  # tiles only because untiled does not fit
+    # fewer KV pages only where the round's pool does not fit: Qwen3-8B-sized pools at 32K tokens on 24 GiB
+    longer = auto_fit(config(32768), 24 * GiB, shapes)
+    assert longer.settings["kv_blocks_least"] <= longer.settings["kv_blocks"] <= longer.settings["kv_blocks_needed"]
+    assert longer.fits(24 * GiB)
+
+
+def long_config(length: int, **overrides):
+    """The issue's command: 4-bit LoRA r 16 with offload, G 8, 512-token prompts (the model's shapes are passed)."""
+    return make_config_for("qwen3-8b", use_peft=True, load_in_4bit=True, offload_activations=True, bf16=True,
+                           max_completion_length=length, max_prompt_length=512, **overrides)
+
+
+def test_qwen3_8b_long_reasoning_fits_24_and_80_gib():
+    """Issue 33: Qwen3-8B (config from its published numbers), 4-bit LoRA r 16, G 8. 32K-token completions train under
+    22 GiB on a 24 GiB card (the KV pool takes what is left, and its least pool fits too); 110K-token completions
+    under 75 GiB on an 80 GiB card with fp8 KV, the whole round's pool included."""
+    from fastgrpo.bench.memory_plan import qwen3_8b_config
+    from fastgrpo.train.plan import auto_fit, fitted
+
+    shapes = model_shapes(qwen3_8b_config(131072))
+    small = auto_fit(long_config(32768), 24 * GiB, shapes)
+    assert max(small.peak(p) for p in small.phases if p.startswith("train")) < 22 * GiB
+    least = plan_memory(long_config(32768, mlp_tile_tokens=small.settings["mlp_tile_tokens"]), shapes=shapes,
+                        micro_batch=small.settings["per_device_train_batch_size"],
+                        kv_blocks=small.settings["kv_blocks_least"])
+    assert least.peak() < 22 * GiB
+    config = long_config(110000, kv_cache_dtype="fp8")
+    large = auto_fit(config, 80 * GiB, shapes)
+    assert large.peak() < 75 * GiB
+    assert fitted(config, large) == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,
+                                     "steps_per_generation": 4, "mlp_tile_tokens": 16384}  # the whole KV pool

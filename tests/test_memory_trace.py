@@ -195,3 +195,61 @@ def test_measure_trainer_step(assets, tmp_path):
     assert result["train"] > result["logprobs"]  # gradients and AdamW's states on top of a forward
     del trainer
     gc.collect()
+
+
+# -- the plan against traces with the layer memory options --------------------------------------------------------
+
+
+LAYER_OPTIONS = {"none": dict(recompute_lora_inputs=False, mask_free_attention=False), "defaults": {},
+                 "tiled": dict(mlp_tile_tokens=1024), "tiled-peft-inputs": dict(mlp_tile_tokens=1024,
+                                                                                recompute_lora_inputs=False)}
+
+
+@pytest.mark.parametrize("options", LAYER_OPTIONS.values(), ids=LAYER_OPTIONS.keys())
+def test_plan_matches_traces_with_the_layer_options(options):
+    """Qwen3-8B's layers at real widths (2 of its 36, so a trace takes seconds), 4-bit LoRA r 16, offload, 2 x (256 +
+    2048) tokens: each training moment's plan within 5% of the trace. Not the real-shape benchmark's 1%: with 2 layers
+    the weights are 0.9 GiB of ~4 GiB, so the per-token coefficients (BACKWARD_BYTES_PER_*, read off whole-model traces,
+    and the tiled LoRA terms, rounded up) weigh ~5x more; measured -2.2% (none), -0.2%, +3.9% (the plan high), -2.2%."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    from fastgrpo.bench.memory_plan import qwen3_8b_config
+    from fastgrpo.train import TrainConfig
+    from fastgrpo.train.plan import model_shapes, plan_memory
+
+    model_config = qwen3_8b_config()
+    model_config.num_hidden_layers = 2
+    config = TrainConfig(model_name_or_path="qwen3-8b", dataset_name="builtin", use_peft=True, load_in_4bit=True,
+                         offload_activations=True, num_generations=8, max_completion_length=2048,
+                         max_prompt_length=256, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                         bf16=True, **options)
+    plan = plan_memory(config, shapes=model_shapes(model_config))
+    trace = trace_train_step(model_config, micro_batch=2, prompt_length=256, completion_length=2048,
+                             load_in_4bit=True, offload_activations=True, head="cuda", **options)
+    forward = max(plan.peak("train: forward"), plan.peak("train: loss"))  # the trace's forward holds the loss
+    assert forward == pytest.approx(trace["forward"], rel=0.05)
+    assert plan.peak("train: backward") == pytest.approx(trace["backward"], rel=0.05)
+    assert plan.peak("train: optimizer step") == pytest.approx(trace["optimizer"], rel=0.05)
+
+
+@pytest.mark.slow
+def test_qwen3_8b_at_110k_tokens_traces_under_75_gib():
+    """Issue 33: the micro-batch auto-fit picks for Qwen3-8B at 110K-token completions on 80 GiB (2 x 110512 tokens,
+    tiles of 16384, 4-bit LoRA r 16, offload), traced at its real shapes (~30 s): under 75 GiB, and the plan within
+    3% of it (measured +0.7%)."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    from fastgrpo.bench.memory_plan import qwen3_8b_config
+    from fastgrpo.train import TrainConfig
+    from fastgrpo.train.plan import model_shapes, plan_memory
+
+    model_config = qwen3_8b_config(131072)  # past the published 40960 positions
+    config = TrainConfig(model_name_or_path="qwen3-8b", dataset_name="builtin", use_peft=True, load_in_4bit=True,
+                         offload_activations=True, num_generations=8, max_completion_length=110000,
+                         max_prompt_length=512, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                         bf16=True, mlp_tile_tokens=16384)
+    plan = plan_memory(config, shapes=model_shapes(model_config))
+    trace = trace_train_step(model_config, micro_batch=2, prompt_length=512, completion_length=110000,
+                             load_in_4bit=True, offload_activations=True, head="cuda", mlp_tile_tokens=16384)
+    assert trace["train"] < 75 * 2**30
+    assert plan.peak("train: backward") == pytest.approx(trace["backward"], rel=0.03)

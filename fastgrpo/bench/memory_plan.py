@@ -5,8 +5,13 @@
    or on) and one decode step (64 sequences of 1280 tokens) traced on fake CPU tensors, the loss in its CUDA form.
 2. Real runs on this CPU: one `Trainer.train_step` of small Qwen2 models (fp32) per configuration, measured.
 
-    fastgrpo bench memory-plan                  # both; ~6 min on 2 cores
+3. Long reasoning (issue 33, `--long-reasoning`, alone): `fastgrpo plan ... --use-peft --load-in-4bit
+   --offload-activations -G 8 --auto-fit` of Qwen2.5-7B on 24 GiB and Qwen3-8B on 24 and 80 GiB at completions of
+   16K to 110K tokens (the KV cache in bf16 and fp8), and a trace of the training micro-batch at each fitted setting.
+
+    fastgrpo bench memory-plan                  # 1 and 2; ~6 min on 2 cores
     fastgrpo bench memory-plan --skip-traces    # only the measured CPU runs
+    fastgrpo bench memory-plan --long-reasoning # only 3; --no-long-traces for its plans alone
 
 Writes <out-dir>/memory-plan-<date>.md (and .json). Plans are plans, traces are counts of fake tensors at real
 shapes, measurements are counts of real tensors on a CPU: the table says which is which.
@@ -77,6 +82,81 @@ def real_shapes(rows: list, record: dict) -> None:
                          "trace (fake tensors)"))
 
 
+def qwen3_8b_config(max_position_embeddings: int = 40960):
+    """Qwen3-8B's published architecture (Qwen/Qwen3-8B config.json); max_position_embeddings 40960 as published, more
+    for longer sequences (Qwen3 reaches 131072 with YaRN; the rotary tables' size does not depend on it)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+                       rope_theta=1e6, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6)
+
+
+# (model, GiB of the card, completion lengths): the issue's table
+LONG_CELLS = (("qwen2.5-7b", 24, (16384, 32768)), ("qwen3-8b", 24, (32768,)), ("qwen3-8b", 80, (32768, 65536, 110000)))
+LONG_TRAIN_PHASES = (("train: forward", "forward"), ("train: loss", "loss"), ("train: backward", "backward"),
+                     ("train: optimizer step", "optimizer"))
+
+
+def long_reasoning(rows: list, record: dict, traces: bool = True) -> None:
+    """Section 3 of the module docstring: each cell's auto_fit plan, and the trace of its micro-batch at the settings
+    it picked (micro-batch, MLP tile; LoRA inputs kept as they come and SDPA without a mask, the defaults)."""
+    from transformers import AutoConfig
+
+    from fastgrpo.bench.memory_trace import trace_train_step
+    from fastgrpo.train import TrainConfig
+    from fastgrpo.train.plan import auto_fit, fitted, model_shapes
+
+    for name, gpu, lengths in LONG_CELLS:
+        for length in lengths:
+            if name == "qwen3-8b":
+                model_config = qwen3_8b_config(40960 if length + 512 <= 40960 else 131072)
+            else:
+                model_config = AutoConfig.from_pretrained(harness.MODELS / name)
+            shapes = model_shapes(model_config)
+            for kv in ("auto", "fp8"):
+                config = TrainConfig(model_name_or_path=name, dataset_name="builtin", use_peft=True, lora_r=16,
+                                     load_in_4bit=True, offload_activations=True, num_generations=G,
+                                     max_completion_length=length, bf16=True, kv_cache_dtype=kv)
+                plan = auto_fit(config, gpu * GiB, shapes)
+                picks = fitted(config, plan)
+                label = f"{name} 4-bit LoRA r 16, {gpu} GiB, L {length}, KV {'bf16' if kv == 'auto' else 'fp8'}"
+                entry = record[label] = {"picks": picks, "plan": {p: plan.peak(p) for p in plan.phases},
+                                         "plan components": plan.phases, "settings": plan.settings}
+                peak_phase = max(plan.phases, key=plan.peak)
+                rows.append((label, picks, "sampling", plan.peak("sampling"), None, peak_phase))
+                trace = None
+                if traces and kv == "auto":  # the KV dtype changes sampling only: one trace per cell
+                    trace = trace_train_step(model_config, micro_batch=plan.settings["per_device_train_batch_size"],
+                                             prompt_length=config.max_prompt_length, completion_length=length,
+                                             use_peft=True, lora_r=16, load_in_4bit=True, offload_activations=True,
+                                             mlp_tile_tokens=plan.settings["mlp_tile_tokens"], head="cuda")
+                    entry["trace"] = trace
+                    print(label, f"traced in {trace['seconds']:.0f} s", flush=True)
+                for phase, key in LONG_TRAIN_PHASES:
+                    rows.append((label, picks, phase, plan.peak(phase), trace and trace[key], peak_phase))
+
+
+def long_reasoning_report(rows: list, day: str) -> str:
+    lines = [f"# Long reasoning on small GPUs: plans and traces ({day}, torch {torch.__version__}, CPU only: no GPU)",
+             "", "`fastgrpo bench memory-plan --long-reasoning`: `fastgrpo plan --model-name-or-path <config> "
+             "--use-peft --load-in-4bit --offload-activations -G 8 --max-completion-length L --gpu-memory <card> "
+             "--auto-fit` (prompts of 512 tokens, 8 completions a step, LoRA r 16, --recompute-lora-inputs and "
+             "--mask-free-attention on, their defaults), KV cache bf16 or `--kv-cache-dtype fp8`. Plan: "
+             "fastgrpo/train/plan.py. Trace: live tensor storages of one training micro-batch at the settings "
+             "auto-fit picked, on fake CPU tensors at real shapes (the loss in its CUDA form); sampling is planned "
+             "only. Qwen3-8B's config is built in code from its published numbers (max_position_embeddings 131072 "
+             "past 40960 tokens).", "",
+             "| cell | auto-fit picks | phase | plan GiB | trace GiB | error | the plan's peak phase |",
+             "|---|---|---|---|---|---|---|"]
+    for label, picks, phase, planned, counted, peak_phase in rows:
+        traced = "" if counted is None else f"{counted / GiB:.2f}"
+        err = "" if counted is None else error(planned, counted)
+        said = " ".join(f"{k}={v}" for k, v in picks.items())
+        lines.append(f"| {label} | {said} | {phase} | {planned / GiB:.2f} | {traced} | {err} | {peak_phase} |")
+    return "\n".join(lines) + "\n"
+
+
 def small_model(folder: Path, hidden: int, layers: int) -> str:
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -136,16 +216,28 @@ def measured_runs(rows: list, record: dict) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-traces", action="store_true", help="only the measured CPU runs")
+    parser.add_argument("--long-reasoning", action="store_true",
+                        help="only the long-reasoning cells (issue 33): auto-fit plans and traces at 16K-110K tokens")
+    parser.add_argument("--no-long-traces", action="store_true", help="with --long-reasoning: plans only")
     parser.add_argument("--out-dir", default="benchmarks/results", help="where the .json and .md results go")
 
 
 def run(args: argparse.Namespace) -> list[tuple]:
     harness.check_out_dir(args.out_dir)
     rows, record = [], {}
+    day = datetime.date.today().isoformat()
+    if args.long_reasoning:
+        long_reasoning(rows, record, traces=not args.no_long_traces)
+        text = long_reasoning_report(rows, day)
+        print(text)
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"memory-plan-long-{day}.md").write_text(text)
+        (out / f"memory-plan-long-{day}.json").write_text(json.dumps(record, indent=1, default=str))
+        return rows
     if not args.skip_traces:
         real_shapes(rows, record)
     measured_runs(rows, record)
-    day = datetime.date.today().isoformat()
     lines = [f"# Memory plan vs counted bytes ({day}, torch {torch.__version__}, CPU only: no GPU)", "",
              "`fastgrpo bench memory-plan`. Plan: fastgrpo/train/plan.py from the model's config. Trace: live "
              "tensor storages of one micro-batch / decode step on fake CPU tensors at real shapes (G 8, 256 + 1024 "

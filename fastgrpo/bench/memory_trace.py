@@ -18,9 +18,11 @@ workspaces (cuBLAS, flash-attention splits), or host memory. What the fake trace
 * Data-dependent host reads cannot run on fake tensors; they are answered as a full micro-batch would answer them
   (`_AssumeValid`): every element of a mask is nonzero (`nonzero` returns numel rows: every completion token is
   scored, the worst case), `all()` is True and `any()` False (fastgrpo's input checks pass, the loss's unshifted
-  sums are in range). Transformers cannot read a fake padding mask, so it builds the [b, 1, L, L] boolean mask and
-  SDPA converts it to an additive one per call, as it does on a GPU for a padded micro-batch (an unpadded one would
-  skip the mask and take the flash kernel with GQA, without the repeated K/V copies that a masked call makes).
+  sums are in range). Transformers cannot read a fake padding mask, so without mask_free_attention it builds the
+  [b, 1, L, L] boolean mask and SDPA converts it to an additive one per call, as it does on a GPU for a padded
+  micro-batch (an unpadded one would skip the mask and take the flash kernel with GQA, without the repeated K/V
+  copies that a masked call makes); with it (the default, as in training) the right-padding check's `all()` is True
+  and SDPA runs with is_causal and no mask, as it does for the trainer's right-padded micro-batches.
 * Fake tensors live on the CPU (a CPU build cannot run a backward on fake CUDA tensors), so device-dependent code
   takes its CPU branch. SDPA on the CPU dispatches to `_scaled_dot_product_flash_attention_for_cpu`, whose outputs
   are [b, heads, L, d] and a [b, heads, L] logsumexp, as a GPU's flash / memory-efficient kernels: no [L, L]
@@ -315,9 +317,12 @@ class _Built:
 
 
 def _build(config, dtype, *, use_peft, lora_r, lora_alpha, lora_dropout, load_in_4bit, gradient_checkpointing,
-           offload_activations, attn_implementation, live: LiveBytes | None) -> _Built:
+           offload_activations, attn_implementation, live: LiveBytes | None, mlp_tile_tokens: int | None = None,
+           recompute_lora_inputs: bool = False, mask_free_attention: bool = False) -> _Built:
     """fastgrpo.train.loading.load_policy on fake tensors: the model from its config (nothing allocated), 4-bit linears,
-    gradient checkpointing (and offload), use_cache off, then LoRA on all linear layers but the head."""
+    SDPA without a mask for right-padded batches (mask_free_attention), gradient checkpointing (and offload),
+    use_cache off, then LoRA on all linear layers but the head, then the tiled MLP and LoRA inputs kept as they come
+    (fastgrpo.train.tiling.apply_layer_memory_options, as load_policy calls it)."""
     from transformers import AutoModelForCausalLM
 
     fake = _fake_mode()
@@ -326,6 +331,10 @@ def _build(config, dtype, *, use_peft, lora_r, lora_alpha, lora_dropout, load_in
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
         if load_in_4bit:
             _quantize_4bit(model, dtype)
+        if mask_free_attention:
+            from fastgrpo.train.tiling import use_mask_free_sdpa
+
+            use_mask_free_sdpa(model)
         offload = None
         if gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):
@@ -347,6 +356,9 @@ def _build(config, dtype, *, use_peft, lora_r, lora_alpha, lora_dropout, load_in
 
             model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                                                      target_modules="all-linear", task_type="CAUSAL_LM"))
+        from fastgrpo.train.tiling import apply_layer_memory_options
+
+        apply_layer_memory_options(model, mlp_tile_tokens, use_peft and recompute_lora_inputs)
     return _Built(model, fake, offload)
 
 
@@ -355,7 +367,8 @@ def _lora_defaults() -> dict:
 
     fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     return {name: fields[name] for name in ("lora_alpha", "lora_dropout", "learning_rate", "weight_decay",
-                                            "adam_beta1", "adam_beta2", "max_grad_norm")}
+                                            "adam_beta1", "adam_beta2", "max_grad_norm", "recompute_lora_inputs",
+                                            "mask_free_attention")}
 
 
 def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro_batch: int = 8,
@@ -363,16 +376,19 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
                      lora_alpha: int | None = None, lora_dropout: float | None = None, load_in_4bit: bool = False,
                      optim: str = "adamw_torch", offload_activations: bool = False, beta: float = 0.0,
                      gradient_checkpointing: bool = True, attn_implementation: str | None = None,
-                     loss_type: str = "dapo", head: str = "cpu") -> dict:
+                     loss_type: str = "dapo", head: str = "cpu", mlp_tile_tokens: int | None = None,
+                     recompute_lora_inputs: bool | None = None, mask_free_attention: bool | None = None) -> dict:
     """One training micro-batch of fastgrpo's trainer at real shapes on fake CPU tensors: bytes by phase.
 
     `model_config`: a transformers config or a folder with a config.json. The model is built as load_policy builds
     it (4-bit linears, gradient checkpointing, offload, LoRA r / alpha / dropout on all linear layers but the head;
-    alpha and dropout default to TrainConfig's); the micro-batch is `micro_batch` sequences of `prompt_length` +
-    `completion_length` tokens, every completion token scored; then the trainer's update: PolicyLoss forward (the
-    fused loss, `loss_type`, with ref logprobs when beta > 0), backward, clip_grad_norm_, the optimizer step
-    (AdamW with foreach=True, or bitsandbytes' AdamW8bit for optim="adamw_8bit") and zero_grad. The optimizer's
-    states are made by a step before the trace (a steady-state step: they are live throughout).
+    alpha and dropout default to TrainConfig's; fastgrpo/train/tiling.py's layer memory options `mlp_tile_tokens`,
+    `recompute_lora_inputs` and `mask_free_attention`, the last two TrainConfig's defaults (on) unless given); the
+    micro-batch is `micro_batch` sequences of `prompt_length` + `completion_length` tokens, every completion token
+    scored; then the trainer's update: PolicyLoss forward (the fused loss, `loss_type`, with ref logprobs when
+    beta > 0), backward, clip_grad_norm_, the optimizer step (AdamW with foreach=True, or bitsandbytes' AdamW8bit for
+    optim="adamw_8bit") and zero_grad. The optimizer's states are made by a step before the trace (a steady-state
+    step: they are live throughout).
 
     Returns bytes (but "chunk_tokens", a count of tokens, and "seconds"):
         weights           parameters, buffers and 4-bit quantization states
@@ -405,7 +421,12 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
                    lora_alpha=defaults["lora_alpha"] if lora_alpha is None else lora_alpha,
                    lora_dropout=defaults["lora_dropout"] if lora_dropout is None else lora_dropout,
                    load_in_4bit=load_in_4bit, gradient_checkpointing=gradient_checkpointing,
-                   offload_activations=offload_activations, attn_implementation=attn_implementation, live=live)
+                   offload_activations=offload_activations, attn_implementation=attn_implementation, live=live,
+                   mlp_tile_tokens=mlp_tile_tokens,
+                   recompute_lora_inputs=defaults["recompute_lora_inputs"] if recompute_lora_inputs is None
+                   else recompute_lora_inputs,
+                   mask_free_attention=defaults["mask_free_attention"] if mask_free_attention is None
+                   else mask_free_attention)
     model, fake = built.model, built.fake
     parameters = [p for p in model.parameters() if p.requires_grad]
     options = dict(lr=defaults["learning_rate"], weight_decay=defaults["weight_decay"],

@@ -11,6 +11,9 @@ Phases (bytes of live tensors; the CUDA context and allocator slack are the `RES
     logprobs   weights + trainable state + a no-grad micro-batch forward + the loss's no-grad chunk
     train      weights + trainable state + gradients + one micro-batch's checkpointed layer inputs, the recompute of
                one layer in the backward and the fused loss's chunk and gradients, + the optimizer step's states
+A layer's terms follow the layer memory options (mlp_tile_tokens, recompute_lora_inputs, mask_free_attention:
+fastgrpo/train/tiling.py), the KV pool kv_cache_dtype (fp8: a byte per value); `auto_fit` states its order of
+preference.
 Sequences are planned at their longest, as a micro-batch pads to its longest: the training data's longest prompt
 (`fastgrpo train`) or max_prompt_length (`fastgrpo plan`, which reads no data), plus max_completion_length.
 """
@@ -139,31 +142,99 @@ def loss_chunk(s: Shapes, config: TrainConfig, device_type: str, chunk_tokens: i
     return chunk_tokens or default(s.vocab, torch.device(device_type))
 
 
+def _lora_dropout_bytes(config: TrainConfig) -> int:
+    """Bytes of peft's dropout mask per LoRA input value: 1 with dropout (a bool mask), else 0."""
+    return 1 if config.lora_dropout > 0 else 0
+
+
 def layer_saved_per_token(s: Shapes, config: TrainConfig, b: int) -> int:
-    """What a layer's recompute keeps for its backward, per token: normed inputs and the residual sum (3 H), q, the
-    rotated q and the attention output (3 q), k, v and the rotated k (3 kv), k and v repeated to every query head
-    (2 q: SDPA with a padding mask and GQA), SwiGLU's gate, up, SiLU(gate) and product (4 I), all in the compute
-    dtype; with LoRA, per adapted layer, its input cast to fp32 and dropped out (4 + 1 mask bytes per input value; 4
-    without dropout: peft runs adapters in fp32)."""
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    repeated = 2 * q if s.kv_heads < s.heads else 0
-    per_token = b * (3 * s.hidden + 3 * q + 3 * kv + repeated + 4 * s.intermediate)
-    if config.use_peft:
-        per_token += (5 if config.lora_dropout > 0 else 4) * s.linear_inputs
+    """What a layer's recompute keeps for its backward, per token (fastgrpo/train/tiling.py's module docstring):
+    normed inputs and the residual sum (3 H), q, the rotated q and the attention output (3 q), k, v and the rotated k
+    (3 kv), k and v repeated to every query head (2 q: SDPA with a padding mask and GQA, so not with
+    mask_free_attention), SwiGLU's gate, up, SiLU(gate) and product (4 I, 0 with mlp_tile_tokens: the MLP keeps its
+    input, one of the 3 H), all in the compute dtype. With LoRA, per adapted layer: peft's input cast to fp32 and
+    dropped out, 4 + d bytes per input value (3 H + q + 2 H + I; tiled, the MLP's 2 H + I live in the tile only); with
+    recompute_lora_inputs instead the down projection's input in the compute dtype (I b, none when tiled: the others are
+    among the 3 H and 3 q) and lora_A's fp32 [r] outputs (7 of them, 4 when tiled)."""
+    q, kv, H, inter = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
+    tiled = config.mlp_tile_tokens is not None
+    repeated = 2 * q if s.kv_heads < s.heads and not config.mask_free_attention else 0
+    per_token = b * (3 * H + 3 * q + 3 * kv + repeated + (0 if tiled else 4 * inter))
+    if config.use_peft and config.recompute_lora_inputs:
+        r = config.lora_r
+        per_token += 4 * r * 4 if tiled else b * inter + 4 * r * 7
+    elif config.use_peft:
+        per_token += (4 + _lora_dropout_bytes(config)) * (3 * H + q + (0 if tiled else 2 * H + inter))
     return per_token
+
+
+def layer_mask_bytes(config: TrainConfig, micro_batch: int, T: int, b: int) -> int:
+    """The [m, 1, T, T] boolean padding mask and SDPA's additive copy of it, kept by a layer's attention for its
+    backward: a padded micro-batch (more than one sequence, planned at its longest) without mask_free_attention."""
+    if config.mask_free_attention or micro_batch == 1:
+        return 0
+    return micro_batch * T * T * (1 + b)
 
 
 # The backward of one layer adds gradients that live together with its saved tensors: with LoRA two fp32 and one
 # bf16 [T, I] gradient of the MLP's down projection input (10 bytes per I), and ~8 bytes per H of residual and norm
 # gradients. Coefficients read off the Qwen2.5-1.5B trace (benchmarks/NOTES.md, "Memory plan"), then checked on the
-# 7B and 8B traces.
+# 7B and 8B traces. Tiled, the [T, I] terms are a tile's: its recomputed SwiGLU (4 I b) and those gradients (10 I).
 BACKWARD_BYTES_PER_I, BACKWARD_BYTES_PER_H = 10, 8
 
 
+def layer_backward_transient(s: Shapes, config: TrainConfig, b: int, tokens: int) -> int:
+    """What one layer's backward adds to its saved tensors for `tokens` tokens: untiled the [T, I] gradients and the
+    [T, H] ones; tiled the [T, H] ones and one tile's recomputed MLP, its gradients and its LoRA tensors (peft's fp32
+    inputs of gate, up and down, or with recompute_lora_inputs down's input, lora_A's outputs and the fp32 casts), and
+    with full fine-tuning the gate, up and down weights' gradients of a tile in the compute dtype."""
+    H, inter = s.hidden, s.intermediate
+    # the attention's backward: the [T, H] gradients and LoRA's recompute of o_proj's (or q/k/v's) input in fp32, a
+    # dropout mask and the dropped-out copy; what a tiled layer's backward peaks at past ~2 tiles (read off Qwen3-8B
+    # traces at 2 and 4 x 110K tokens: 36 KB a token besides the 8 H)
+    attention = tokens * (BACKWARD_BYTES_PER_H * H + (
+        (8 + _lora_dropout_bytes(config)) * max(H, s.heads * s.head_dim) if config.use_peft else 0))
+    if config.mlp_tile_tokens is None:
+        return max(attention, tokens * (BACKWARD_BYTES_PER_I * inter + BACKWARD_BYTES_PER_H * H))
+    tile = min(config.mlp_tile_tokens, tokens)
+    if not config.use_peft:
+        lora_tile = 0
+    elif config.recompute_lora_inputs:
+        lora_tile = b * inter + 12 * config.lora_r + 4 * inter
+    else:
+        lora_tile = (4 + _lora_dropout_bytes(config)) * (2 * H + inter)
+    transient = tokens * BACKWARD_BYTES_PER_H * H + tile * ((4 * b + BACKWARD_BYTES_PER_I) * inter + lora_tile)
+    if not config.use_peft:
+        transient += 3 * H * inter * b
+    return max(attention, transient)
+
+
+def layer_forward_bytes(s: Shapes, config: TrainConfig, b: int, tokens: int, training: bool) -> int:
+    """A layer's forward without grad (checkpointed, or no-grad logprobs) over `tokens` tokens, the larger of two
+    moments: the MLP's down projection (SwiGLU's four [T, I] tensors, and with LoRA its input in fp32 and a dropout
+    mask while training; with mlp_tile_tokens those of one tile) and the attention's output projection
+    (attention_forward_per_token, never tiled: it is what a tiled layer's forward peaks at past ~2 tiles)."""
+    mlp_tokens = tokens if config.mlp_tile_tokens is None else min(config.mlp_tile_tokens, tokens)
+    return max(mlp_tokens * layer_forward_per_token(s, config, b, training),
+               tokens * attention_forward_per_token(s, config, b, training))
+
+
+def attention_forward_per_token(s: Shapes, config: TrainConfig, b: int, training: bool) -> int:
+    """Live at a layer's o_proj in a forward without grad, per token, besides the layer's input: the residual, the
+    normed input, the rotated q and k, v, SDPA's output and o_proj's (3 H + 2 q + 2 kv in the compute dtype), and
+    with LoRA o_proj's input cast to fp32 and, training with dropout, its mask and the dropped-out copy (read off a
+    Qwen3-8B trace at 2 x 110K tokens, tiles of 16384)."""
+    q, kv, H = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
+    per_token = b * (3 * H + 2 * q + 2 * kv)
+    if config.use_peft:
+        dropout = training and config.lora_dropout > 0
+        per_token += (4 + (_lora_dropout_bytes(config) + 4 if dropout else 0)) * max(H, q)
+    return per_token
+
+
 def layer_forward_per_token(s: Shapes, config: TrainConfig, b: int, training: bool) -> int:
-    """A layer's forward without grad (checkpointed, or no-grad logprobs and sampling): SwiGLU's four [T, I] tensors at
-    the down projection, and with LoRA its input in fp32 (and a dropout mask while training)."""
-    lora = (4 + (1 if training and config.lora_dropout > 0 else 0)) if config.use_peft else 0
+    """Per token of layer_forward_bytes, untiled (also the sampling engine's prefill, which is not tiled)."""
+    lora = (4 + (_lora_dropout_bytes(config) if training else 0)) if config.use_peft else 0
     return (4 * b + lora) * s.intermediate
 
 
@@ -218,12 +289,13 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
                 "sampler": sampler_bytes(s, rows)}
 
     # no-grad logprobs: one layer at a time, the last hidden states, and the loss's no-grad chunk of fp32 logits
-    logprobs = {**resident, "forward (no grad)": tokens * layer_forward_per_token(s, config, b, training=False)
+    logprobs = {**resident, "forward (no grad)": layer_forward_bytes(s, config, b, tokens, training=False)
                 + 2 * layer_input, "loss chunk": chunk * s.vocab * 4}
 
     # train: the checkpointed layer inputs (offloaded: the last one's, and with LoRA the first one's, which peft's
     # input gradient keeps alive), the final norm's input and output and the completion rows (3 layer inputs), then
-    # the largest of the forward's last layer, the fused loss's chunk, and the backward of one layer
+    # the largest of the forward's last layer (before those 3 exist), the fused loss's chunk, and the backward of one
+    # layer
     if not config.gradient_checkpointing:
         kept = 0
     elif config.offload_activations:
@@ -232,25 +304,29 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
         kept = s.layers
     stored = {**resident, "gradients": grads, "checkpointed layer inputs": kept * layer_input,
               "final hidden states": 3 * layer_input}
-    saved = tokens * layer_saved_per_token(s, config, b)
+    saved = tokens * layer_saved_per_token(s, config, b) + layer_mask_bytes(config, mb, T, b)
     if not config.gradient_checkpointing:
         stored["layer activations"] = s.layers * saved
-    backward = saved + tokens * (BACKWARD_BYTES_PER_I * s.intermediate + BACKWARD_BYTES_PER_H * s.hidden)
+    backward = saved + layer_backward_transient(s, config, b, tokens)
     if config.offload_activations:
         backward += 3 * layer_input  # the inputs coming back: the one recomputed, the prefetched one, a copy
     loss_bytes = chunk * s.vocab * (CUDA_LOSS_BYTES_PER_LOGIT if device_type == "cuda" else 8)
     if not config.use_peft:
         loss_bytes += s.vocab * s.hidden * 4  # dW accumulated in fp32
-    forward = tokens * layer_forward_per_token(s, config, b, training=True)
+    forward = layer_forward_bytes(s, config, b, tokens, training=True)
     phases = {"sampling": sampling, "logprobs": logprobs,
-              "train: forward": {**stored, "layer forward": forward},
+              "train: forward": {**without(stored, "final hidden states"), "layer forward": forward},
               "train: loss": {**stored, "loss chunk": loss_bytes},
               "train: backward": {**stored, "layer backward": backward},
               "train: optimizer step": {**resident, "gradients": grads, "update temporaries": grads}}
     return Plan(phases, {"per_device_train_batch_size": mb, "kv_blocks": blocks, "kv_blocks_needed": needed,
-                         "kv_blocks_least": least,
+                         "kv_blocks_least": least, "mlp_tile_tokens": config.mlp_tile_tokens,
                          "loss_chunk_tokens": chunk, "chunk_override": chunk_tokens,
                          "samples_per_step": config.per_device_train_batch_size * config.gradient_accumulation_steps})
+
+
+def without(parts: dict[str, int], name: str) -> dict[str, int]:
+    return {k: v for k, v in parts.items() if k != name}
 
 
 def kv_block_bytes(s: Shapes, block_size: int, b: int) -> int:
@@ -290,29 +366,52 @@ def sampler_bytes(s: Shapes, rows: int) -> int:
     return rows * s.vocab * SAMPLER_BYTES_PER_LOGIT
 
 
+# Tiles auto_fit tries, largest first: a [tile, I] tensor of Qwen2.5-7B (I 18944) in bf16 is 0.6 GiB at 16384 tokens.
+# None under 1024: a smaller micro-batch is preferred to them (each tile launches its own kernels, ~20 per MLP with
+# LoRA, and GEMMs of fewer rows than the hidden size; 520 tiles a layer at 4 x 33K tokens and tiles of 256).
+MLP_TILES = (16384, 8192, 4096, 2048, 1024)
+LOSS_CHUNKS = (None, 4096, 1024, 256)  # None: fastgrpo.chunked's default (~2 GiB of logits on CUDA)
+
+
 def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: str = "cuda",
              prompt_length: int | None = None) -> Plan:
-    """The plan with the largest micro-batch that fits (a divisor of the samples per optimizer step, so the update
-    is the same), then the KV pool (all of a round's pages if they fit, else as many as fit) and a smaller loss chunk
-    if that is what it takes. ValueError, naming what would fit, when even micro-batch 1 does not."""
+    """The fastest settings whose plan fits, tried in this order of preference (each later choice costs less speed
+    than an earlier one, so it is given up first):
+
+    1. the largest micro-batch (a divisor of the samples per optimizer step, so the update is the same);
+    2. the MLP untiled (or config.mlp_tile_tokens when given), else the largest tile of MLP_TILES (smaller ones after;
+       tiling recomputes nothing more under checkpointing, but small tiles run small GEMMs and more launches);
+    3. the default loss chunk, else 4096, 1024, 256 tokens;
+    4. the KV pool of a whole round (every completion at full length at once); if sampling is over budget, as many
+       pages as fit (the engine runs the round in waves, preempting by recompute), down to the least pool, a prompt's
+       pages and one completion's (completions one after another).
+
+    ValueError, naming what would fit, when even micro-batch 1 with the smallest tile and chunk does not."""
+    import dataclasses
+
     step = config.per_device_train_batch_size * config.gradient_accumulation_steps
     limit = usable(gpu_bytes)
+    given = config.mlp_tile_tokens
+    tiles = (given, *(t for t in MLP_TILES if given is not None and t < given)) if given else (None, *MLP_TILES)
     for mb in sorted((d for d in range(1, step + 1) if step % d == 0), reverse=True):
-        for chunk in (None, 4096, 1024, 256):
-            plan = plan_memory(config, device_type=device_type, micro_batch=mb, chunk_tokens=chunk, shapes=shapes,
-                               prompt_length=prompt_length)
-            if max(plan.peak(p) for p in plan.phases if p != "sampling") > limit:
-                continue
-            over = plan.peak("sampling") - limit
-            if over > 0:  # fewer KV pages: the engine then runs the round in waves (preemption by recompute)
-                per_block = plan.phases["sampling"]["KV pool"] // (plan.settings["kv_blocks"] + 1)
-                blocks = plan.settings["kv_blocks"] - math.ceil(over / per_block)
-                if blocks < plan.settings["kv_blocks_least"]:
+        for tile in tiles:
+            trial = config if tile == given else dataclasses.replace(config, mlp_tile_tokens=tile)
+            for chunk in LOSS_CHUNKS:
+                plan = plan_memory(trial, device_type=device_type, micro_batch=mb, chunk_tokens=chunk, shapes=shapes,
+                                   prompt_length=prompt_length)
+                if max(plan.peak(p) for p in plan.phases if p != "sampling") > limit:
                     continue
-                plan = plan_memory(config, device_type=device_type, micro_batch=mb, chunk_tokens=chunk,
-                                   kv_blocks=blocks, shapes=shapes, prompt_length=prompt_length)
-            return plan
-    smallest = plan_memory(config, device_type=device_type, micro_batch=1, chunk_tokens=256, shapes=shapes)
+                over = plan.peak("sampling") - limit
+                if over > 0:  # fewer KV pages: the engine then runs the round in waves (preemption by recompute)
+                    per_block = plan.phases["sampling"]["KV pool"] // (plan.settings["kv_blocks"] + 1)
+                    blocks = plan.settings["kv_blocks"] - math.ceil(over / per_block)
+                    if blocks < plan.settings["kv_blocks_least"]:
+                        continue
+                    plan = plan_memory(trial, device_type=device_type, micro_batch=mb, chunk_tokens=chunk,
+                                       kv_blocks=blocks, shapes=shapes, prompt_length=prompt_length)
+                return plan
+    smallest = plan_memory(dataclasses.replace(config, mlp_tile_tokens=tiles[-1]), device_type=device_type,
+                           micro_batch=1, chunk_tokens=256, shapes=shapes, prompt_length=prompt_length)
     raise ValueError(
         f"gpu_memory: {gpu_bytes / GiB:.1f} GiB ({limit / GiB:.1f} GiB for tensors) cannot fit even "
         f"per_device_train_batch_size 1: it needs {smallest.peak() / GiB:.1f} GiB ({describe_peak(smallest)}); "
@@ -332,7 +431,7 @@ def plan_run(config: TrainConfig, shapes: Shapes, device_type: str, gpu_bytes: i
 
 def fitted(config: TrainConfig, plan: Plan) -> dict:
     """The options an auto_fit plan sets: the micro-batch (accumulation and steps per generation scaled to keep the
-    samples per optimizer step and per round), and the KV pages and loss chunk where it cut them."""
+    samples per optimizer step and per round), and the KV pages, loss chunk and MLP tile where it cut them."""
     mb, step = plan.settings["per_device_train_batch_size"], plan.settings["samples_per_step"]
     changes = {"per_device_train_batch_size": mb, "gradient_accumulation_steps": step // mb,
                "steps_per_generation": config.generation_batch_size // mb}
@@ -340,6 +439,8 @@ def fitted(config: TrainConfig, plan: Plan) -> dict:
         changes["kv_cache_blocks"] = plan.settings["kv_blocks"]
     if plan.settings["chunk_override"]:
         changes["loss_chunk_tokens"] = plan.settings["chunk_override"]
+    if plan.settings["mlp_tile_tokens"] != config.mlp_tile_tokens:
+        changes["mlp_tile_tokens"] = plan.settings["mlp_tile_tokens"]
     return changes
 
 
@@ -349,6 +450,7 @@ def what_would_fit(config: TrainConfig, shapes: Shapes, device_type: str, gpu_by
     import dataclasses
 
     steps = [{"use_peft": True}, {"load_in_4bit": True}, {"offload_activations": config.gradient_checkpointing},
+             {"mlp_tile_tokens": min(config.mlp_tile_tokens or MLP_TILES[-1], MLP_TILES[-1])},
              {"max_completion_length": max(1, config.max_completion_length // 2)}]
     changes, said = {}, []
     for step in steps:
@@ -382,7 +484,7 @@ def format_plan(plan: Plan, gpu_bytes: int | None = None) -> str:
                                              for c, w in zip(cells, widths, strict=True)))
     lines.append(f"{'peak':<28}" + "".join(f"{plan.peak(p) / GiB:>{w}.2f}" for p, w in zip(phases, widths,
                                                                                          strict=True)))
-    shown = ("per_device_train_batch_size", "kv_blocks", "kv_blocks_needed", "loss_chunk_tokens")
+    shown = ("per_device_train_batch_size", "kv_blocks", "kv_blocks_needed", "loss_chunk_tokens", "mlp_tile_tokens")
     settings = ", ".join(f"{k} {plan.settings[k]}" for k in shown)
     lines.append(f"planned with {settings}")
     if gpu_bytes is not None:

@@ -1,10 +1,16 @@
 """Shared helpers of the loss tests: one fused_grpo_loss call with its gradients on a chosen backend (`run`), and a
-fast path checked against the float64 reference and the same-dtype reference (`check`)."""
+fast path checked against the float64 reference and the same-dtype reference (`check`); and for the training tests'
+gradients, a comparison against the float64 truth (`assert_close_gradients`, `largest_difference`) and ragged rows
+padded into one tensor (`padded`)."""
 
 import torch
+import torch.nn.functional as F
 from helpers import assert_close, assert_no_worse, leaf
 
 from fastgrpo.loss import fused_grpo_loss
+
+# fp32 training against the float64 truth: the same sums in another order; relative to each tensor's largest entry.
+GRAD_TOLERANCE = 1e-5
 
 
 def run(monkeypatch, backend, dtype, p, config, on_policy=False, num_items=None):
@@ -32,3 +38,23 @@ def check(monkeypatch, backend, dtype, p, config, **kw):
         assert_close(f"metric {name}", metrics[name].double().reshape(1), truth_metrics[name].double().reshape(1),
                      atol=2e-4 if dtype == torch.bfloat16 else 2e-5)
     return truth_metrics
+
+
+def assert_close_gradients(got: list[torch.Tensor], want: list[torch.Tensor], tol: float = GRAD_TOLERANCE) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        error = (g.double() - w).abs()
+        scale = w.abs().max().clamp(min=1e-30)
+        assert error.max() <= tol * scale, (
+            f"parameter {i} {tuple(w.shape)}: max error {error.max():.3e} (mean {error.mean():.3e}) > {tol} * "
+            f"{scale:.3e}; first at {divmod(int(error.argmax()), w.shape[-1]) if w.dim() > 1 else int(error.argmax())}")
+
+
+def largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """max over parameters of max |a - b| / max |b|."""
+    return max(float((x.double() - y).abs().max() / y.abs().max().clamp(min=1e-30)) for x, y in zip(a, b, strict=True))
+
+
+def padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    T = max(len(r) for r in rows)
+    return torch.stack([F.pad(torch.as_tensor(r, dtype=torch.float32), (0, T - len(r))) for r in rows])

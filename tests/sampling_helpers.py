@@ -6,6 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from fastgrpo.sampling import Engine, SamplingParams, Turn
+from fastgrpo.sampling.engine import Completion
+
 NUM_WORDS = 125  # vocab 128 with the 3 special tokens
 # tiny()'s families as test parameters: qwen2 in the fast run (-m "not slow"), all three in the full run.
 FAMILIES = ["qwen2", pytest.param("qwen3", marks=pytest.mark.slow), pytest.param("llama", marks=pytest.mark.slow)]
@@ -75,3 +78,93 @@ def expected_logprobs(logits, tokens, temperature, top_k, top_p):
             keep[row] &= kept
     logp = z.masked_fill(~keep, float("-inf")).log_softmax(-1)
     return logp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+# -- multi-turn sampling: a stand-in tool, TRL's re-prefill loop, and what each position costs -----------------
+
+# 10 of the 128 ids end a turn: on these peaked models turns last from 1 to a few tens of tokens.
+TURN_STOPS = tuple(range(3, 13))
+
+
+def tool(turns: list[Turn]) -> list[list[int] | None]:
+    """A deterministic stand-in for tools: finishes some sequences, answers the others with 2..8 tokens that depend
+    on the turn's text (so siblings that diverged get different results)."""
+    answers = []
+    for t in turns:
+        if t.turn >= 3 or (t.prompt_index + t.completion_index + t.turn) % 4 == 3:
+            answers.append(None)
+        else:
+            length = 2 + (sum(t.token_ids) + t.turn) % 7
+            answers.append([3 + (7 * sum(t.token_ids) + 13 * k) % NUM_WORDS for k in range(length)])
+    return answers
+
+
+def reprefill(engine: Engine, prompts: list[list[int]], n: int, params: SamplingParams, turn_end) -> list:
+    """TRL's loop: generate; hand the turns that ended on a stop to `turn_end`; drop an answer that would take the
+    completion past max_new_tokens (the sequence ends as it is); generate again from prompt + completion + answer
+    (max_new_tokens new tokens, cut to what the completion has left, as TRL cuts post-tool tokens)."""
+    limit = params.max_new_tokens
+    state = {}  # (i, j) -> [tokens, logprobs, mask, finish_reason, turns]
+    live = []  # (i, j, the turn's tokens)
+    for i, group in enumerate(engine.generate(prompts, n=n, params=params)):
+        for j, c in enumerate(group):
+            state[i, j] = [list(c.token_ids), list(c.logprobs), [1] * len(c.token_ids), c.finish_reason, 0]
+            if c.finish_reason == "stop":
+                live.append((i, j, c.token_ids))
+    while live:
+        turns = [Turn(i, j, state[i, j][4], tokens, limit - len(state[i, j][0])) for i, j, tokens in live]
+        keys, next_prompts = [], []
+        for (i, j, _), answer in zip(live, turn_end(turns), strict=True):
+            tokens, logprobs, mask, _, _ = s = state[i, j]
+            if answer is None:
+                continue  # finish_reason stays "stop"
+            s[3] = "length"
+            if len(tokens) + len(answer) > limit:
+                continue  # rolled back
+            tokens += answer
+            logprobs += [0.0] * len(answer)
+            mask += [0] * len(answer)
+            s[4] += 1
+            if len(tokens) < limit:
+                keys.append((i, j))
+                next_prompts.append(prompts[i] + tokens)
+        live = []
+        if not keys:
+            break
+        outputs = engine.generate(next_prompts, n=1, params=params, group_ids=[i * n + j for i, j in keys],
+                                  first_columns=[len(state[key][0]) for key in keys])  # fmt: skip
+        for key, (c,) in zip(keys, outputs, strict=True):
+            tokens, logprobs, mask, _, _ = s = state[key]
+            room = limit - len(tokens)
+            tokens += c.token_ids[:room]
+            logprobs += c.logprobs[:room]
+            mask += [1] * len(c.token_ids[:room])
+            s[3] = c.finish_reason if len(c.token_ids) <= room else "length"
+            if s[3] == "stop":
+                live.append((*key, c.token_ids))
+    completions = {key: Completion(tokens, logprobs, reason, mask) for key, (tokens, logprobs, mask, reason, _)
+                   in state.items()}  # fmt: skip
+    return [[completions[i, j] for j in range(n)] for i in range(len(prompts))]
+
+
+def tokens_of(outputs) -> list:
+    return [[(c.token_ids, c.tool_mask, c.finish_reason) for c in group] for group in outputs]
+
+
+def never_fed(c: Completion) -> int:
+    """A completion's tokens that are never fed to the model: its last sampled one and the tool tokens after it
+    (those that filled it to max_new_tokens)."""
+    last_sampled = max(i for i, sampled in enumerate(c.tool_mask) if sampled)
+    return len(c.tool_mask) - last_sampled
+
+
+def assert_each_position_once(engine: Engine, prompts, outputs) -> None:
+    """Every prompt token once per group, every completion token once (bar those never fed), with nothing
+    recomputed: no prompt or earlier turn is computed again."""
+    stats = engine.stats
+    completions = [c for group in outputs for c in group]
+    fed_once = sum(map(len, prompts)) + sum(len(c.token_ids) - never_fed(c) for c in completions)
+    assert stats.num_forward_tokens - stats.num_recomputed_tokens == fed_once
+    assert stats.num_generated_tokens == sum(sum(c.tool_mask) for c in completions)
+    assert stats.num_appended_tokens == sum(len(c.tool_mask) - sum(c.tool_mask) for c in completions)
+    assert stats.leaked_blocks == 0

@@ -3,7 +3,7 @@ refused in one line naming the option as a flag, with a non-zero exit and no tra
 behind (a rollout_func's output, which only sampling shows, before the first update); and a tool that hangs is cut at
 tool_timeout, reported to the model and counted as a failure, while the step and the run go on.
 
-The model is a tiny random Qwen2 with a byte-level tokenizer and a Qwen2.5-style tool template (test_tools.py),
+The model is a tiny random Qwen2 with a byte-level tokenizer and a Qwen2.5-style tool template (tools_helpers.py),
 saved once per module with conversational arithmetic data; the bad functions live in one file, FUNCTIONS."""
 
 import json
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from agent_helpers import ScriptedEngine
-from test_cli_input_errors import untouched
-from test_tools import QWEN_STYLE_TEMPLATE, byte_tokenizer
+from cli_helpers import untouched
+from tools_helpers import QWEN_STYLE_TEMPLATE, byte_tokenizer
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from fastgrpo.cli import main

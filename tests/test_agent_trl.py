@@ -33,7 +33,7 @@ import datasets
 import pytest
 import torch
 from agent_helpers import ScriptedEngine
-from test_tools import (
+from tools_helpers import (
     QWEN_STYLE_TEMPLATE,
     Counter,
     Quiet,

@@ -10,13 +10,12 @@ import os
 import subprocess
 import sys
 import types
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import untouched
 from helpers import tiny_config
-from huggingface_hub import constants as hub_constants
 from train_helpers import make_config
 from transformers import GPT2Config, Qwen2Config, Qwen2ForCausalLM
 
@@ -31,22 +30,6 @@ from fastgrpo.train import TrainConfig
 from fastgrpo.train.data import PromptOrder, load_rows, prepare
 from fastgrpo.train.loading import load_tokenizer
 from fastgrpo.train.rewards import RewardError, Rewards
-
-
-def snapshot(*roots: Path) -> dict:
-    """Every file and folder under `roots` with its size and modification time."""
-    return {p: (p.stat().st_size, p.stat().st_mtime_ns)
-            for root in roots if root.exists() for p in [root, *root.rglob("*")]}
-
-
-@contextmanager
-def untouched(*roots: Path):
-    """Asserts that nothing under `roots`, nor in the Hugging Face caches, was created, changed or deleted."""
-    roots = (*roots, Path(hub_constants.HF_HOME))
-    before = snapshot(*roots)
-    yield
-    after = snapshot(*roots)
-    assert after == before, sorted(str(p) for p in before.keys() ^ after.keys()) or "files changed"
 
 
 @pytest.fixture

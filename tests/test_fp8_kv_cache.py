@@ -415,7 +415,7 @@ def test_two_processes_sample_fp8_pages_as_one(assets, tmp_path):
     """FSDP2 (transformers' modules over sharded weights: the scales gather each weight whole) and DDP (the fused
     layers) on 2 processes x 4 train as 1 process x 8 with the fp8 cache: the same scales and pages, so the same
     samples, metrics and parameters (tests/test_distributed.py's tolerance)."""
-    from test_distributed import TOL, assert_same_parameters, drive, one_process, options
+    from distributed_helpers import TOL, assert_same_parameters, drive, one_process, options
     from train_helpers import assert_same_metrics
 
     from fastgrpo.train.logs import read_metrics

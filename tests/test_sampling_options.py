@@ -9,8 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import assert_close
-from sampling_helpers import NO_STOP, full_forward_logits, prompts_for, tiny
-from test_multiturn_engine import TURN_STOPS, reprefill, tokens_of, tool
+from sampling_helpers import NO_STOP, TURN_STOPS, full_forward_logits, prompts_for, reprefill, tiny, tokens_of, tool
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,

@@ -15,8 +15,16 @@ import random
 import pytest
 import torch
 from helpers import assert_close
-from sampling_helpers import NO_STOP, NUM_WORDS, prompts_for, tiny
-from test_multiturn_engine import TURN_STOPS, assert_each_position_once, tokens_of, tool
+from sampling_helpers import (
+    NO_STOP,
+    NUM_WORDS,
+    TURN_STOPS,
+    assert_each_position_once,
+    prompts_for,
+    tiny,
+    tokens_of,
+    tool,
+)
 
 from fastgrpo.sampling import Engine, SamplingParams
 from fastgrpo.sampling.block_pool import group_pages, least_pages, most_pages

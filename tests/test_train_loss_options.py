@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from loss_helpers import GRAD_TOLERANCE, assert_close_gradients, largest_difference, padded
 from train_helpers import make_config
 from transformers import (
     AutoModelForCausalLM,
@@ -40,8 +41,6 @@ from fastgrpo.train.loading import PLAIN_HEAD, check_head
 from fastgrpo.train.policy_loss import completion_hidden, lm_head
 
 ONE_STEP = dict(max_steps=1, save_steps=0, eval_num_samples=1, max_grad_norm=0.0)  # the raw gradient of one step
-# fp32 training against the float64 truth: the same sums in another order; relative to each tensor's largest entry.
-GRAD_TOLERANCE = 1e-5
 # The paged engine implements neither sliding windows nor attention softcapping: every layer full, no attention cap.
 GEMMA2 = dict(head_dim=16, layer_types=["full_attention"] * 2, sliding_window=64, attn_logit_softcapping=None)
 HEADS = {  # model, config options, the head fastgrpo must apply
@@ -65,21 +64,6 @@ def tiny_model(model_class, config_class, **options):
     ))  # fmt: skip
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
     return model, tokenizer
-
-
-def assert_close_gradients(got: list[torch.Tensor], want: list[torch.Tensor], tol: float = GRAD_TOLERANCE) -> None:
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        error = (g.double() - w).abs()
-        scale = w.abs().max().clamp(min=1e-30)
-        assert error.max() <= tol * scale, (
-            f"parameter {i} {tuple(w.shape)}: max error {error.max():.3e} (mean {error.mean():.3e}) > {tol} * "
-            f"{scale:.3e}; first at {divmod(int(error.argmax()), w.shape[-1]) if w.dim() > 1 else int(error.argmax())}")
-
-
-def largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    """max over parameters of max |a - b| / max |b|."""
-    return max(float((x.double() - y).abs().max() / y.abs().max().clamp(min=1e-30)) for x, y in zip(a, b, strict=True))
 
 
 def one_step(config, monkeypatch, perturb: float = 0.0) -> dict:
@@ -164,11 +148,6 @@ def trl_importance_weights(old, sampling, mask, mode, clip_min, clip_max):
         max_val = clip_max if clip_max is not None else math.inf
         ratio = ratio.masked_fill((ratio < min_val) | (ratio > max_val), value=0.0)
     return ratio
-
-
-def padded(rows: list[torch.Tensor]) -> torch.Tensor:
-    T = max(len(r) for r in rows)
-    return torch.stack([F.pad(torch.as_tensor(r, dtype=torch.float32), (0, T - len(r))) for r in rows])
 
 
 # -- models that scale or softcap their logits --------------------------------------------------------------------

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import assert_close
-from test_train_loss_options import GRAD_TOLERANCE, assert_close_gradients, largest_difference, padded
+from loss_helpers import GRAD_TOLERANCE, assert_close_gradients, largest_difference, padded
 from train_helpers import assert_same_metrics, killed_then_resumed, make_config
 from transformers import AutoModelForCausalLM
 
@@ -423,7 +423,7 @@ TWO_PROCESS_CASES = {
 def test_two_processes_train_as_one(assets, tmp_path):
     """FSDP2 and DDP on 2 processes x 4 = 1 process x 8 with the masks and the (adaptive) bonus: the same metrics,
     entropy_coef included, and parameters (test_distributed.py's comparison and tolerance)."""
-    from test_distributed import TOL, assert_same_parameters, drive, one_process, options
+    from distributed_helpers import TOL, assert_same_parameters, drive, one_process, options
 
     runs = []
     for parallelism in ("fsdp", "ddp"):
@@ -461,9 +461,10 @@ def test_drop_in_matches_trl(name, tmp_path):
     """FastGRPOTrainer trains as stock TRL (tests/test_trl_trainer.py's comparison: completions, losses, first-step
     gradients, parameters after two steps, metrics) and logs the same policy_loss and entropy_coef; the adaptive
     controller ends in TRL's state, which TRL's checkpoint keeps; the bonus changed the training."""
-    from test_trl_trainer import EXTRA, LOSS_TOL, PARAM_ATOL, _assert_same_training, _initial, _train, word_tokenizer
-    from test_trl_trainer import _save_tiny_qwen2 as save_tiny_qwen2
+    from helpers import word_tokenizer
     from trl import GRPOTrainer
+    from trl_helpers import EXTRA, LOSS_TOL, PARAM_ATOL, _assert_same_training, _initial, _train
+    from trl_helpers import _save_tiny_qwen2 as save_tiny_qwen2
 
     from fastgrpo.integrations.trl import FastGRPOTrainer
 

@@ -11,8 +11,30 @@ from transformers import PreTrainedTokenizerFast
 
 TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"
 
-# Qwen2.5's tool format: the schemas in <tools>, each call <tool_call>\n{"name", "arguments"}\n</tool_call>, the
-# results of consecutive tool messages in one user turn, each in <tool_response>.
+# Qwen2.5's tool format: each call <tool_call>\n{"name", "arguments"}\n</tool_call>, the results of consecutive tool
+# messages in one user turn, each in <tool_response>. The two templates differ in their system turn only.
+_QWEN_MESSAGES = (
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' and message.tool_calls -%}"
+    "{{- '<|im_start|>assistant' + ('\\n' + message.content if message.content else '') -}}"
+    "{%- for call in message.tool_calls -%}"
+    "{%- set function = call.function if call.function is defined else call -%}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + function.name + '\", \"arguments\": ' + (function.arguments | tojson)"
+    " + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif message.role == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' -}}{{- message.content -}}{{- '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+# The tools' schemas in <tools>.
 QWEN_STYLE_TEMPLATE = (
     "{%- if tools -%}"
     "{{- '<|im_start|>system\\nYou may call these functions:\\n<tools>' -}}"
@@ -20,30 +42,9 @@ QWEN_STYLE_TEMPLATE = (
     "{{- '\\n</tools>\\nCall one as <tool_call>\\n{\"name\": <name>, \"arguments\": <arguments>}\\n</tool_call>"
     "<|im_end|>\\n' -}}"
     "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if message.role == 'assistant' and message.tool_calls -%}"
-    "{{- '<|im_start|>assistant' + ('\\n' + message.content if message.content else '') -}}"
-    "{%- for call in message.tool_calls -%}"
-    "{%- set function = call.function if call.function is defined else call -%}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + function.name + '\", \"arguments\": ' + (function.arguments | tojson)"
-    " + '}\\n</tool_call>' -}}"
-    "{%- endfor -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- elif message.role == 'tool' -%}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
-    "{{- '\\n<tool_response>\\n' -}}{{- message.content -}}{{- '\\n</tool_response>' -}}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+) + _QWEN_MESSAGES
 
-
-# Qwen2.5's tool format: each call <tool_call>\n{"name", "arguments"}\n</tool_call>; the results of consecutive tool
-# messages in one user turn, each in <tool_response>. The system turn names the tools but leaves out their schemas:
-# every byte is a token here, and a schema is ~200 bytes.
+# The tools by name only: every byte is a token here, and a schema is ~200 bytes.
 SHORT_TOOL_TEMPLATE = (
     "{%- if tools -%}"
     "{{- '<|im_start|>system\\nTools:' -}}"
@@ -51,25 +52,7 @@ SHORT_TOOL_TEMPLATE = (
     "{%- endfor -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if message.role == 'assistant' and message.tool_calls -%}"
-    "{{- '<|im_start|>assistant' + ('\\n' + message.content if message.content else '') -}}"
-    "{%- for call in message.tool_calls -%}"
-    "{%- set function = call.function if call.function is defined else call -%}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + function.name + '\", \"arguments\": ' + (function.arguments | tojson)"
-    " + '}\\n</tool_call>' -}}"
-    "{%- endfor -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- elif message.role == 'tool' -%}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
-    "{{- '\\n<tool_response>\\n' -}}{{- message.content -}}{{- '\\n</tool_response>' -}}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+) + _QWEN_MESSAGES
 
 
 def byte_tokenizer(chat_template: str) -> PreTrainedTokenizerFast:

@@ -577,9 +577,9 @@ class Trainer:
                 return 1 if self._flat(rewards) else 0
 
             with self.world.together("sampling and rewards"), distributed.unsharded(self.policy):
-                groups = self.engine.generate([data.token_ids[i] for i in candidates], n=G, params=params,
-                                              group_ids=list(range(len(candidates))), admit=P, group_done=group_done)
-            del groups  # (the finished ones are in `records`)
+                # (the finished groups are in `records`: group_done scored them as they came)
+                self.engine.generate([data.token_ids[i] for i in candidates], n=G, params=params,
+                                     group_ids=list(range(len(candidates))), admit=P, group_done=group_done)
             started = self.engine.stats.num_groups_started
             preemptions = self.engine.stats.num_preemptions
             generated = self.engine.stats.num_generated_tokens

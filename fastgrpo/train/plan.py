@@ -29,9 +29,10 @@ from fastgrpo.sampling.params import EngineConfig
 from fastgrpo.sizes import GiB
 from fastgrpo.train.config import TrainConfig, train_dtype
 
-# Left out of the device's memory before planning: the CUDA context (~0.5 GiB with cuBLAS and Triton loaded) and
-# the caching allocator's fragmentation (a few % of what it holds).
-RESERVE_BYTES = GiB // 2
+# Left out of the device's memory before planning: the CUDA context with cuBLAS, Triton's modules and the decode
+# graphs' pools (~0.5-0.8 GiB), NCCL's buffers under torchrun (~0.2 GiB), and the caching allocator's fragmentation
+# (a few % of what it holds). 24 GiB leaves 21.8 GiB for tensors, 80 GiB 75.0.
+RESERVE_BYTES = GiB
 RESERVE_FRACTION = 0.05
 NF4_BLOCK, NF4_STATE_BLOCK = 64, 256  # bitsandbytes: 4-bit blocks of 64 weights; double quantization's 256 scales
 ADAM8_BLOCK, ADAM8_MIN = 256, 4096  # bitsandbytes' 8-bit AdamW: a scale per 256 values; smaller tensors stay 32-bit

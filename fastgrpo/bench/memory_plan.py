@@ -7,7 +7,8 @@
 
 3. Long reasoning (issue 33, `--long-reasoning`, alone): `fastgrpo plan ... --use-peft --load-in-4bit
    --offload-activations -G 8 --auto-fit` of Qwen2.5-7B on 24 GiB and Qwen3-8B on 24 and 80 GiB at completions of
-   16K to 110K tokens (the KV cache in bf16 and fp8), and a trace of the training micro-batch at each fitted setting.
+   16K to 110K tokens (the KV cache in bf16 and fp8), and traces of the sampling phase and the training micro-batch
+   at each fitted setting.
 
     fastgrpo bench memory-plan                  # 1 and 2; ~6 min on 2 cores
     fastgrpo bench memory-plan --skip-traces    # only the measured CPU runs
@@ -103,7 +104,7 @@ def long_reasoning(rows: list, record: dict, traces: bool = True) -> None:
     it picked (micro-batch, MLP tile; LoRA inputs kept as they come and SDPA without a mask, the defaults)."""
     from transformers import AutoConfig
 
-    from fastgrpo.bench.memory_trace import trace_train_step
+    from fastgrpo.bench.memory_trace import trace_sampling, trace_train_step
     from fastgrpo.train import TrainConfig
     from fastgrpo.train.plan import auto_fit, fitted, model_shapes
 
@@ -124,7 +125,16 @@ def long_reasoning(rows: list, record: dict, traces: bool = True) -> None:
                 entry = record[label] = {"picks": picks, "plan": {p: plan.peak(p) for p in plan.phases},
                                          "plan components": plan.phases, "settings": plan.settings}
                 peak_phase = max(plan.phases, key=plan.peak)
-                rows.append((label, picks, "sampling", plan.peak("sampling"), None, peak_phase))
+                sampled = None
+                if traces:
+                    sampled = trace_sampling(model_config, kv_blocks=plan.settings["kv_blocks"],
+                                             prompt_length=config.max_prompt_length, completion_length=length,
+                                             num_generations=G, num_prompts=config.generation_batch_size // G,
+                                             kv_cache_dtype=kv, load_in_4bit=True,
+                                             mlp_tile_tokens=plan.settings["mlp_tile_tokens"])
+                    entry["sampling trace"] = sampled
+                rows.append((label, picks, "sampling", plan.peak("sampling"), sampled and sampled["sampling"],
+                             peak_phase))
                 trace = None
                 if traces and kv == "auto":  # the KV dtype changes sampling only: one trace per cell
                     trace = trace_train_step(model_config, micro_batch=plan.settings["per_device_train_batch_size"],
@@ -144,9 +154,11 @@ def long_reasoning_report(rows: list, day: str) -> str:
              "--auto-fit` (prompts of 512 tokens, 8 completions a step, LoRA r 16, --recompute-lora-inputs and "
              "--mask-free-attention on, their defaults), KV cache bf16 or `--kv-cache-dtype fp8`. Plan: "
              "fastgrpo/train/plan.py. Trace: live tensor storages of one training micro-batch at the settings "
-             "auto-fit picked, on fake CPU tensors at real shapes (the loss in its CUDA form); sampling is planned "
-             "only. Qwen3-8B's config is built in code from its published numbers (max_position_embeddings 131072 "
-             "past 40960 tokens).", "",
+             "auto-fit picked, on fake CPU tensors at real shapes (the loss in its CUDA form), and of the sampling "
+             "phase with the KV pool auto-fit sized (`trace_sampling`: resident state, the pool, the engine's "
+             "buffers, its prefill and decode steps and the sampler). Qwen3-8B's config is built in code from its "
+             "published numbers (max_position_embeddings 131072 past 40960 tokens). A 24 GiB card leaves 21.8 GiB "
+             "for tensors, 80 GiB 75.0 (the plan's reserve: 5% + 1 GiB).", "",
              "| cell | auto-fit picks | phase | plan GiB | trace GiB | error | the plan's peak phase |",
              "|---|---|---|---|---|---|---|"]
     for label, picks, phase, planned, counted, peak_phase in rows:

@@ -362,6 +362,26 @@ def _build(config, dtype, *, use_peft, lora_r, lora_alpha, lora_dropout, load_in
     return _Built(model, fake, offload)
 
 
+def _optimizer(parameters: list[torch.Tensor], optim: str, defaults: dict) -> torch.optim.Optimizer:
+    """The trainer's optimizer: AdamW with foreach=True, or bitsandbytes' AdamW8bit for optim="adamw_8bit"."""
+    options = dict(lr=defaults["learning_rate"], weight_decay=defaults["weight_decay"],
+                   betas=(defaults["adam_beta1"], defaults["adam_beta2"]))
+    if optim == "adamw_8bit":
+        return _bnb_qmaps().optim.AdamW8bit(parameters, **options)  # builds its maps: outside fake mode
+    if optim == "adamw_torch":
+        return torch.optim.AdamW(parameters, foreach=True, **options)
+    raise ValueError(f"optim must be 'adamw_torch' or 'adamw_8bit', got {optim!r}")
+
+
+def _steady_states(parameters: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's states after a step (inside the fake mode): live from the first step on."""
+    for p in parameters:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+
+
 def _lora_defaults() -> dict:
     from fastgrpo.train.config import TrainConfig
 
@@ -429,25 +449,14 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
                    else mask_free_attention)
     model, fake = built.model, built.fake
     parameters = [p for p in model.parameters() if p.requires_grad]
-    options = dict(lr=defaults["learning_rate"], weight_decay=defaults["weight_decay"],
-                   betas=(defaults["adam_beta1"], defaults["adam_beta2"]))
-    if optim == "adamw_8bit":
-        optimizer = _bnb_qmaps().optim.AdamW8bit(parameters, **options)  # builds its maps: outside fake mode
-    elif optim == "adamw_torch":
-        optimizer = torch.optim.AdamW(parameters, foreach=True, **options)
-    else:
-        raise ValueError(f"optim must be 'adamw_torch' or 'adamw_8bit', got {optim!r}")
+    optimizer = _optimizer(parameters, optim, defaults)
     b, P, T = micro_batch, prompt_length, completion_length
     policy = PolicyLoss(model, packed=False, head=dict(PLAIN_HEAD))
     loss_options = LossConfig(loss_type=loss_type, beta=beta, max_completion_length=T, **PLAIN_HEAD)
     num_items = float(b * T) if loss_type in TOKEN_NORMALISED_LOSS_TYPES else None
     result = {}
     with fake:
-        for p in parameters:  # the states of a steady-state step
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        states = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        states = _steady_states(parameters, optimizer)
         live.add(*_weights(model))
         result["weights"] = live.current
         result["trainable"] = storage_bytes(parameters)
@@ -495,7 +504,7 @@ def _output_only_attention(triton: bool) -> str:
     return name
 
 
-def _attention_output(query, k_cache, v_cache, batch, scale):
+def _attention_output(query, k_cache, v_cache, batch, scale, k_scale=None, v_scale=None):
     return torch.empty_like(query)  # [T, heads, d]
 
 
@@ -572,6 +581,110 @@ def trace_decode_step(model_config, *, dtype: torch.dtype = torch.bfloat16, num_
                 del logits
     result["kv_scratch"] = page_bytes
     result.update({name: live.peaks[name] for name in ("decode", "forward")})
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, completion_length: int = 1024,
+                   num_generations: int = 8, num_prompts: int = 1, dtype: torch.dtype = torch.bfloat16,
+                   kv_cache_dtype: str = "auto", use_peft: bool = True, lora_r: int = 16, load_in_4bit: bool = False,
+                   optim: str = "adamw_torch", mlp_tile_tokens: int | None = None, block_size: int = 16,
+                   params=None) -> dict:
+    """The sampling phase of `fastgrpo train` at real shapes on fake CPU tensors: bytes by moment.
+
+    Live while the trainer samples a round: the policy as load_policy builds it for training (4-bit linears, LoRA r 16
+    on all linear layers, the tiled MLP and LoRA inputs as they come; the engine runs its no-grad forward), the
+    optimizer's states of a steady step (gradients are freed after each step), and what Engine.generate allocates for
+    a round of `num_prompts` x `num_generations` completions of up to `completion_length` tokens: the KV pool of
+    `kv_blocks` pages and its scratch page (the model's dtype, or e4m3 with kv_cache_dtype="fp8" and its [layers, 2,
+    Hkv] fp32 scales), the output buffers (Outputs, 20 bytes a token) and the decode rows (DecodeBatch). Then the
+    engine's two largest steps, each a forward (Engine._eager_forward through transformers' layers) and its sampler
+    (Engine._sample, the PyTorch sampler with `params`, default temperature 1):
+
+        prefill  the step that starts the round: every prompt's tokens at once (as the scheduler packs them, up to
+                 max_num_batched_tokens), each prompt's last position sampling its num_generations first tokens
+        decode   min(max_num_seqs, completions) rows, each at the full context prompt + completion
+
+    Attention allocates what the CUDA triton backend does, its output (`_output_only_attention`); on the CPU the
+    cache stores and fp8 quantization are PyTorch ops, whose temporaries the CUDA rope_store kernel does not make.
+
+    Returns bytes (but "seconds"):
+        weights           parameters, buffers and 4-bit quantization states (the LoRA weights among them)
+        optimizer_states  AdamW's states after a step
+        kv_cache          the pool, its scratch page and the fp8 scales
+        buffers           Outputs and DecodeBatch
+        prefill, decode   the peak of each step (everything live counted)
+        sampling          the larger of the two: the phase's peak
+    """
+    from fastgrpo.sampling.batch import DecodeBatch, Outputs
+    from fastgrpo.sampling.block_pool import blocks_for
+    from fastgrpo.sampling.engine import Engine, HostBatch
+    from fastgrpo.sampling.params import EngineConfig, SamplingParams
+
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+    start = time.perf_counter()
+    defaults = _lora_defaults()
+    config = _load_config(model_config)
+    built = _build(config, dtype, use_peft=use_peft, lora_r=lora_r, lora_alpha=defaults["lora_alpha"],
+                   lora_dropout=defaults["lora_dropout"], load_in_4bit=load_in_4bit, gradient_checkpointing=False,
+                   offload_activations=False, attn_implementation=None, live=None, mlp_tile_tokens=mlp_tile_tokens,
+                   recompute_lora_inputs=defaults["recompute_lora_inputs"], mask_free_attention=False)
+    model, fake = built.model, built.fake
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = _optimizer(parameters, optim, defaults)
+    params = SamplingParams(max_new_tokens=completion_length) if params is None else params
+    engine_config = EngineConfig()
+    G, P, T = num_generations, num_prompts, prompt_length
+    width = blocks_for(T + completion_length, block_size)
+    rows = min(engine_config.max_num_seqs, P * G)
+    result = {}
+    with fake:
+        states = _steady_states(parameters, optimizer)
+        live = LiveBytes(_weights(model))
+        result["weights"] = live.base
+        result["optimizer_states"] = live.add(*states)
+        live.base = live.current
+        engine = Engine(model, block_size=block_size, attention=_output_only_attention(triton=False))
+        with live, _AssumeValid(), engine._sampling_mode():
+            before = live.current
+            kv_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else engine.dtype
+            kv_cache = torch.zeros(engine.num_layers, 2, kv_blocks + 1, block_size, engine.num_kv_heads,
+                                   engine.head_dim, dtype=kv_dtype)
+            if kv_cache_dtype == "fp8":  # (Engine computes them from the weights: kv_scales)
+                engine._kv_scales = torch.ones(engine.num_layers, 2, engine.num_kv_heads)
+            result["kv_cache"] = live.current - before
+            before = live.current
+            outputs = Outputs(P * G, completion_length, engine.device, None if params.greedy else 0)
+            batch = DecodeBatch(max(min(engine_config.max_num_seqs, engine_config.max_num_batched_tokens), G), width,
+                                block_size, engine.device)
+            result["buffers"] = live.current - before
+            # the first step: the prompts, packed (the scheduler's chunks of at most max_num_batched_tokens)
+            tokens = min(engine_config.max_num_batched_tokens, P * T)
+            lengths = [min(T, tokens - i * T) for i in range(-(-tokens // T))]
+            host = HostBatch(input_ids=[0] * tokens, positions=[p for n in lengths for p in range(n)],
+                             slots=list(range(tokens)), query_lens=lengths, context_lens=lengths,
+                             block_tables=[[0] * width for _ in lengths],
+                             last_tokens=[sum(lengths[: i + 1]) - 1 for i in range(len(lengths))],
+                             sample_counts=[G] * len(lengths))
+            u = None if params.greedy else torch.empty(G * len(lengths), dtype=torch.float64)
+            with live.phase("prefill"):
+                logits = engine._eager_forward(None, 0, host, kv_cache)
+                logits = logits[torch.arange(len(lengths)).repeat_interleave(G)]  # a first fork samples G tokens
+                engine._sample(logits, params, u, None)
+                del logits
+            batch.seqs = [None] * rows  # rows only: the step reads their host mirrors
+            batch.context_h[:rows] = T + completion_length - 1
+            batch.pages_h[:rows] = width
+            u = None if params.greedy else torch.empty(rows, dtype=torch.float64)
+            with live.phase("decode"):
+                logits = engine._eager_forward(batch.inputs(), batch.max_context(), None, kv_cache)
+                engine._sample(logits, params, u, None)
+                del logits
+            engine._kv_scales = None
+            del outputs, batch, kv_cache  # live through both steps, as in Engine.generate
+    result.update({name: live.peaks[name] for name in ("prefill", "decode")})
+    result["sampling"] = max(result["prefill"], result["decode"])
     result["seconds"] = time.perf_counter() - start
     return result
 

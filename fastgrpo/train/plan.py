@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastgrpo.sampling.block_pool import least_pages, most_pages
+from fastgrpo.sampling.block_pool import blocks_for, least_pages, most_pages
 from fastgrpo.sampling.engine import available_memory
 from fastgrpo.sampling.params import EngineConfig
 from fastgrpo.sizes import GiB
@@ -39,6 +39,8 @@ ADAM8_BLOCK, ADAM8_MIN = 256, 4096  # bitsandbytes' 8-bit AdamW: a scale per 256
 SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 8  # fp32 logits, exp, fp64 cdf (fastgrpo/sampling/sampler.py)
 ENGINE = EngineConfig()  # the defaults the trainer's engine runs with
 CUDA_LOSS_BYTES_PER_LOGIT = 4 + 2  # fp32 logits and the bf16 dZ of a chunk (fastgrpo/chunked.py)
+OUTPUT_BYTES_PER_TOKEN = 8 + 4 + 8  # the engine's Outputs per token it may sample: int64 id, fp32 logprob, fp64 uniform
+DECODE_ROW_BYTES = 4 * 8  # DecodeBatch's int64 context, last token, output row and count per row (+ its page table)
 
 
 @dataclass(slots=True)
@@ -284,10 +286,15 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     blocks = needed if kv_blocks is None else kv_blocks  # the engine allocates kv_cache_blocks pages as given
     rows = min(ENGINE.max_num_seqs, config.generation_batch_size)
     kv = (blocks + 1) * kv_block_bytes(s, bs, kv_bytes(config, device_type))
+    if config.kv_cache_dtype == "fp8":
+        kv += s.layers * 2 * s.kv_heads * 4  # each layer's K and V scales, fp32 per KV head
     prefill_tokens = min(ENGINE.max_num_batched_tokens, P * prompt + rows)
     prefill = prefill_tokens * layer_forward_per_token(s, config, b, training=False)
-    sampling = {**resident, "KV pool": kv, "engine forward": max(prefill, rows * 2 * s.hidden * b),
-                "sampler": sampler_bytes(s, rows)}
+    capacity = max(min(ENGINE.max_num_seqs, ENGINE.max_num_batched_tokens), G)  # the engine's DecodeBatch rows
+    buffers = (config.generation_batch_size * config.max_completion_length * OUTPUT_BYTES_PER_TOKEN
+               + capacity * (4 * blocks_for(T, bs) + DECODE_ROW_BYTES))
+    sampling = {**resident, "KV pool": kv, "output buffers": buffers,
+                "engine forward": max(prefill, rows * 2 * s.hidden * b), "sampler": sampler_bytes(s, rows)}
 
     # no-grad logprobs: one layer at a time, the last hidden states, and the loss's no-grad chunk of fp32 logits
     logprobs = {**resident, "forward (no grad)": layer_forward_bytes(s, config, b, tokens, training=False)

@@ -292,9 +292,9 @@ def test_sampling_trace_matches_the_plan(kv_cache_dtype):
 @pytest.mark.slow
 def test_qwen3_8b_at_32k_tokens_every_phase_traces_under_22_gib():
     """Issue 33: Qwen3-8B, 4-bit LoRA r 16, G 8, completions of 32768 tokens, auto-fit for a 24 GiB card (21.8 GiB for
-    tensors): the sampling phase (KV pool bf16 and fp8, as many pages as fit) and the training micro-batch auto-fit
-    picks, traced at real shapes (~25 s): each planned and traced under 22 GiB, and sampling's plan within 3% of its
-    trace (measured +0.01%)."""
+    tensors): the sampling phase (KV pool bf16 and fp8, as many pages as fit), the no-grad logprobs and the training
+    micro-batch at the setting auto-fit picks, traced at real shapes (~30 s): each planned and traced under 22 GiB,
+    and sampling's plan within 3% of its trace (measured +0.01%)."""
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
     from fastgrpo.bench.memory_plan import qwen3_8b_config
@@ -319,5 +319,5 @@ def test_qwen3_8b_at_32k_tokens_every_phase_traces_under_22_gib():
     trace = trace_train_step(model_config, micro_batch=plan.settings["per_device_train_batch_size"], prompt_length=512,
                              completion_length=32768, load_in_4bit=True, offload_activations=True, head="cuda",
                              mlp_tile_tokens=plan.settings["mlp_tile_tokens"])
-    assert trace["train"] < 22 * GiB
-    assert max(plan.peak(p) for p in plan.phases if p.startswith("train")) < 22 * GiB
+    assert max(trace["train"], trace["logprobs"]) < 22 * GiB
+    assert max(plan.peak(p) for p in plan.phases if p != "sampling") < 22 * GiB

@@ -60,7 +60,8 @@ def real_shapes(rows: list, record: dict) -> None:
                                          load_in_4bit=four_bit, offload_activations=offload, head="cuda")
                 label = f"{name} {'4-bit' if four_bit else 'bf16'} LoRA{' offload' if offload else ''}"
                 record[label] = {"trace": trace, "plan": {p: plan.peak(p) for p in plan.phases}}
-                pairs = [("train: forward + loss", max(plan.peak("train: forward"), plan.peak("train: loss")),
+                pairs = [("logprobs (no grad)", plan.peak("logprobs"), trace["logprobs"]),
+                         ("train: forward + loss", max(plan.peak("train: forward"), plan.peak("train: loss")),
                           trace["forward"]),
                          ("train: loss", plan.peak("train: loss"), trace["loss"]),
                          ("train: backward", plan.peak("train: backward"), trace["backward"]),
@@ -95,8 +96,8 @@ def qwen3_8b_config(max_position_embeddings: int = 40960):
 
 # (model, GiB of the card, completion lengths): the table
 LONG_CELLS = (("qwen2.5-7b", 24, (16384, 32768)), ("qwen3-8b", 24, (32768,)), ("qwen3-8b", 80, (32768, 65536, 110000)))
-LONG_TRAIN_PHASES = (("train: forward", "forward"), ("train: loss", "loss"), ("train: backward", "backward"),
-                     ("train: optimizer step", "optimizer"))
+LONG_TRAIN_PHASES = (("logprobs", "logprobs"), ("train: forward", "forward"), ("train: loss", "loss"),
+                     ("train: backward", "backward"), ("train: optimizer step", "optimizer"))
 
 
 def long_reasoning(rows: list, record: dict, traces: bool = True) -> None:
@@ -153,11 +154,12 @@ def long_reasoning_report(rows: list, day: str) -> str:
              "--use-peft --load-in-4bit --offload-activations -G 8 --max-completion-length L --gpu-memory <card> "
              "--auto-fit` (prompts of 512 tokens, 8 completions a step, LoRA r 16, --recompute-lora-inputs and "
              "--mask-free-attention on, their defaults), KV cache bf16 or `--kv-cache-dtype fp8`. Plan: "
-             "fastgrpo/train/plan.py. Trace: live tensor storages of one training micro-batch at the settings "
-             "auto-fit picked, on fake CPU tensors at real shapes (the loss in its CUDA form), and of the sampling "
-             "phase with the KV pool auto-fit sized (`trace_sampling`: resident state, the pool, the engine's "
-             "buffers, its prefill and decode steps and the sampler). Qwen3-8B's config is built in code from its "
-             "published numbers (max_position_embeddings 131072 past 40960 tokens). A 24 GiB card leaves 21.8 GiB "
+             "fastgrpo/train/plan.py. Trace: live tensor storages of one micro-batch's no-grad logprobs and "
+             "training at the settings auto-fit picked, on fake CPU tensors at real shapes (the loss in its CUDA "
+             "form), and of the sampling phase with the KV pool auto-fit sized (`trace_sampling`: resident state, "
+             "the pool, the engine's buffers, its prefill and decode steps and the sampler). Qwen3-8B's config is "
+             "built in code from its published numbers (max_position_embeddings 131072 past 40960 tokens). A 24 GiB "
+             "card leaves 21.8 GiB "
              "for tensors, 80 GiB 75.0 (the plan's reserve: 5% + 1 GiB).", "",
              "| cell | auto-fit picks | phase | plan GiB | trace GiB | error | the plan's peak phase |",
              "|---|---|---|---|---|---|---|"]

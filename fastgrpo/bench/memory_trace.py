@@ -405,15 +405,17 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
     alpha and dropout default to TrainConfig's; fastgrpo/train/tiling.py's layer memory options `mlp_tile_tokens`,
     `recompute_lora_inputs` and `mask_free_attention`, the last two TrainConfig's defaults (on) unless given); the
     micro-batch is `micro_batch` sequences of `prompt_length` + `completion_length` tokens, every completion token
-    scored; then the trainer's update: PolicyLoss forward (the fused loss, `loss_type`, with ref logprobs when
-    beta > 0), backward, clip_grad_norm_, the optimizer step (AdamW with foreach=True, or bitsandbytes' AdamW8bit for
-    optim="adamw_8bit") and zero_grad. The optimizer's states are made by a step before the trace (a steady-state
-    step: they are live throughout).
+    scored; first its no-grad logprobs (eval mode), then the trainer's update: PolicyLoss forward (the fused loss,
+    `loss_type`, with ref logprobs when beta > 0), backward, clip_grad_norm_, the optimizer step (AdamW with
+    foreach=True, or bitsandbytes' AdamW8bit for optim="adamw_8bit") and zero_grad. The optimizer's states are made
+    by a step before the trace (a steady-state step: they are live throughout).
 
     Returns bytes (but "chunk_tokens", a count of tokens, and "seconds"):
         weights           parameters, buffers and 4-bit quantization states
         trainable         the parameters that train (in weights)
         optimizer_states  AdamW's states after a step
+        logprobs          peak of the micro-batch's no-grad logprobs in eval mode (Trainer._logprobs: old or
+                          reference logprobs, PolicyLoss.logprobs), before the update
         forward           peak during the micro-batch's forward (PolicyLoss: backbone and fused loss)
         loss              peak during the fused loss (its gradient is computed in its forward)
         saved             live after the forward, less before: what the backward will read (checkpointed inputs,
@@ -462,16 +464,22 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
         result["trainable"] = storage_bytes(parameters)
         result["optimizer_states"] = live.add(*states)
         live.base = live.current
-        model.train()
         V = model.get_output_embeddings().weight.shape[0]
+        batch = lambda: MicroBatch(  # the trainer's micro_batch: made on the device
+            index=list(range(b)), completion_ids=torch.zeros(b, T, dtype=torch.long),
+            mask=torch.ones(b, T), advantages=torch.zeros(b), sequences=[[0] * (P + T)] * b,
+            prompt_lengths=[P] * b, old_logps=None, ref_logps=torch.zeros(b, T) if beta else None,
+            importance_weights=None,
+        )  # fmt: skip
+        model.eval()  # the no-grad logprobs of Trainer._logprobs (old or reference logprobs)
+        with live, _AssumeValid(), chunked.emulate_device(head), torch.no_grad(), live.phase("logprobs"):
+            mb = batch()
+            policy.logprobs(mb)
+            del mb
+        model.train()
         with live, _AssumeValid(), live.phase("train"):
             with chunked.emulate_device(head):
-                mb = MicroBatch(  # the trainer's micro_batch: made on the device
-                    index=list(range(b)), completion_ids=torch.zeros(b, T, dtype=torch.long),
-                    mask=torch.ones(b, T), advantages=torch.zeros(b), sequences=[[0] * (P + T)] * b,
-                    prompt_lengths=[P] * b, old_logps=None, ref_logps=torch.zeros(b, T) if beta else None,
-                    importance_weights=None,
-                )  # fmt: skip
+                mb = batch()
                 before = live.current
                 with live.phase("forward"):  # policy(mb, ...), its fused loss apart
                     hidden = policy.hidden(mb)
@@ -487,7 +495,8 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
                 torch.nn.utils.clip_grad_norm_(parameters, defaults["max_grad_norm"])
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-        result.update({name: live.peaks[name] for name in ("forward", "loss", "backward", "optimizer", "train")})
+        result.update({name: live.peaks[name] for name in ("logprobs", "forward", "loss", "backward", "optimizer",
+                                                           "train")})
     result["chunk_tokens"] = chunked.chunk_tokens(V, torch.device(head))
     result["seconds"] = time.perf_counter() - start
     return result

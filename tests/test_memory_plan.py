@@ -151,8 +151,10 @@ def test_auto_fit_picks_a_smaller_micro_batch_and_the_update_stays(assets, tmp_p
 
 
 def test_plan_counts_the_layer_options_and_fp8_kv():
-    """The tiled MLP drops 4 I b per token from what a layer keeps, LoRA inputs kept as they come replace peft's fp32
-    copies, mask-free attention drops the repeated K/V and the [m, 1, T, T] mask, fp8 halves the KV pool."""
+    """The tiled MLP drops SwiGLU's four [T, I] tensors from what a layer keeps, LoRA inputs kept as they come replace
+    peft's fp32 copies, mask-free attention drops the repeated K/V and the [m, 1, T, T] mask, fp8 halves the KV pool."""
+    from fastgrpo.train.plan import mlp_saved_per_token
+
     shapes = model_shapes(model_config(make_config_for(QWEN_7B)))
     H, inter, q = shapes.hidden, shapes.intermediate, shapes.heads * shapes.head_dim
     tokens, T = 8 * (256 + 1024), 256 + 1024
@@ -162,10 +164,13 @@ def test_plan_counts_the_layer_options_and_fp8_kv():
     masked = backward(recompute_lora_inputs=False, mask_free_attention=False)
     assert masked - plain == tokens * 2 * q * 2 + 8 * T * T * 3  # GQA's repeated K, V and the mask with its copy
     peft_inputs = 5 * (3 * H + q + 2 * H + inter)  # fp32 and a dropout mask per input value
-    assert plain - backward() == tokens * (peft_inputs - 2 * inter - 4 * 16 * 7)
-    tiled = backward(mlp_tile_tokens=1024)  # a tile's SwiGLU (4 I b) and gradients (10 I), down's input, fp32 casts
-    untiled_only = tokens * (4 * inter * 2 + 2 * inter + 4 * 16 * 3 + 10 * inter)
-    assert backward() - tiled == untiled_only - 1024 * (18 * inter + 2 * inter + 4 * inter + 12 * 16)
+    assert plain - backward() == tokens * peft_inputs
+    config = make_config_for(QWEN_7B, use_peft=True, bf16=True)
+    untiled, tiled = (mlp_saved_per_token(shapes, config, 2),
+                      mlp_saved_per_token(shapes, make_config_for(QWEN_7B, use_peft=True, bf16=True,
+                                                                  mlp_tile_tokens=1024), 2))
+    assert untiled - tiled == 4 * inter * 2 + 4 * 16 * 3  # SwiGLU's four [T, I] and gate/up/down's lora_A outputs
+    assert backward(mlp_tile_tokens=1024) < backward()
     pool = lambda kv: plan_memory(make_config_for(QWEN_7B, use_peft=True, bf16=True, kv_cache_dtype=kv),
                                   shapes=shapes).phases["sampling"]["KV pool"]
     assert pool("auto") == 2 * (pool("fp8") - shapes.layers * 2 * shapes.kv_heads * 4)  # fp8: + its fp32 scales

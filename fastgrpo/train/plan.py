@@ -59,6 +59,7 @@ class Shapes:
     linear_params: int  # the decoder layers' linear weights (what 4-bit quantizes and LoRA adapts)
     linears: list[tuple[int, int]]  # (in, out) of every linear layer in the decoder layers
     linear_inputs: int  # per token, the summed input width of one layer's linears (LoRA dropout copies)
+    head_norms: bool = False  # RMSNorms over each head's q and k (Qwen3's q_norm, k_norm)
 
 
 def model_shapes(model_config) -> Shapes:
@@ -80,6 +81,7 @@ def model_shapes(model_config) -> Shapes:
         tied=bool(getattr(text, "tie_word_embeddings", False) or getattr(model_config, "tie_word_embeddings", False)),
         params=sum(p.numel() for p in model.parameters()), linear_params=sum(i * o for i, o in linears),
         linears=linears, linear_inputs=sum(i for i, _ in first),
+        head_norms=any(name.endswith(("q_norm", "k_norm")) for name, _ in layers[0].named_modules()),
     )  # fmt: skip
 
 
@@ -150,24 +152,61 @@ def _lora_dropout_bytes(config: TrainConfig) -> int:
     return 1 if config.lora_dropout > 0 else 0
 
 
+# torch's dropout off CUDA (at::_dropout_impl, what the fake-CPU traces run) multiplies its input by an fp32 noise
+# tensor of the input's shape, alive with the dropped-out copy; CUDA's fused native_dropout writes a bool mask (1 byte)
+# instead. The moments below take the traces' 4 bytes, the higher.
+DROPOUT_NOISE_BYTES = 4
+# RMSNorm's backward (transformers' Qwen2/Qwen3/Llama RMSNorm: x32 = x.float(); x32 * rsqrt(mean(x32^2) + eps)) at
+# its PowBackward: besides the fp32 input its pow and mul keep, five fp32 [T, H] tensors: the mul's gradient to x32
+# (held for the sum), mean's expanded gradient, x32^1 and 2 x32 of pow's derivative, and their product
+RMSNORM_BACKWARD_FP32 = 5
+
+
+def _lora_a_input_bytes(config: TrainConfig) -> int:
+    """fp32 bytes per input value at an adapted layer's lora_A in a training forward: the input cast to the fp32
+    adapter's dtype (peft's cast, or LoRAInput's) and, with dropout, the noise and the dropped-out copy."""
+    return 4 + (2 * DROPOUT_NOISE_BYTES if config.lora_dropout > 0 else 0)
+
+
 def layer_saved_per_token(s: Shapes, config: TrainConfig, b: int) -> int:
-    """What a layer's recompute keeps for its backward, per token (fastgrpo/train/tiling.py's module docstring):
-    normed inputs and the residual sum (3 H), q, the rotated q and the attention output (3 q), k, v and the rotated k
-    (3 kv), k and v repeated to every query head (2 q: SDPA with a padding mask and GQA, so not with
-    mask_free_attention), SwiGLU's gate, up, SiLU(gate) and product (4 I, 0 with mlp_tile_tokens: the MLP keeps its
-    input, one of the 3 H), all in the compute dtype. With LoRA, per adapted layer: peft's input cast to fp32 and
-    dropped out, 4 + d bytes per input value (3 H + q + 2 H + I; tiled, the MLP's 2 H + I live in the tile only); with
-    recompute_lora_inputs instead the down projection's input in the compute dtype (I b, none when tiled: the others are
-    among the 3 H and 3 q) and lora_A's fp32 [r] outputs (7 of them, 4 when tiled)."""
-    q, kv, H, inter = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
-    tiled = config.mlp_tile_tokens is not None
+    """What a layer's recompute keeps for its backward, per token: attention_saved_per_token and mlp_saved_per_token."""
+    return attention_saved_per_token(s, config, b) + mlp_saved_per_token(s, config, b)
+
+
+def attention_saved_per_token(s: Shapes, config: TrainConfig, b: int) -> int:
+    """What a recomputed layer keeps for the backward of its input norm and attention, per token: the normed input
+    (q/k/v's input), the rotated q and SDPA's output (o_proj's input), v and the rotated k (b (H + 2 q + 2 kv)); the
+    input norm's fp32 input (4 H, kept by its pow and mul: in bf16 a copy, in fp32 the input itself), with per-head
+    q/k norms (Qwen3) theirs (4 (q + kv)), and each norm's fp32 rsqrt per row; SDPA's fp32 logsumexp (4 per head);
+    k and v repeated to every query head (2 q b: SDPA with a padding mask and GQA, so not with mask_free_attention).
+    With LoRA the fp32 [r] outputs of q/k/v/o's lora_A (kept by lora_B), and without recompute_lora_inputs peft's
+    fp32, dropped-out inputs of q, k, v (a copy each) and o, 4 + d bytes per value. (The residual is not kept: its
+    add saves nothing.)"""
+    q, kv, H = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
     repeated = 2 * q if s.kv_heads < s.heads and not config.mask_free_attention else 0
-    per_token = b * (3 * H + 3 * q + 3 * kv + repeated + (0 if tiled else 4 * inter))
-    if config.use_peft and config.recompute_lora_inputs:
-        r = config.lora_r
-        per_token += 4 * r * 4 if tiled else b * inter + 4 * r * 7
-    elif config.use_peft:
-        per_token += (4 + _lora_dropout_bytes(config)) * (3 * H + q + (0 if tiled else 2 * H + inter))
+    norms = 4 * (H + 1) + (4 * (q + kv + s.heads + s.kv_heads) if s.head_norms else 0)  # fp32 inputs, rsqrt
+    per_token = b * (H + 2 * q + 2 * kv + repeated) + norms + 4 * s.heads
+    if config.use_peft:
+        per_token += 4 * config.lora_r * 4
+        if not config.recompute_lora_inputs:
+            per_token += (4 + _lora_dropout_bytes(config)) * (3 * H + q)
+    return per_token
+
+
+def mlp_saved_per_token(s: Shapes, config: TrainConfig, b: int) -> int:
+    """What a recomputed layer keeps for its post-attention norm and MLP, per token: the norm's fp32 input (4 H) and
+    its output, the MLP's input (H b: kept by the tiled MLP, or by gate/up); untiled also SwiGLU's gate, up, SiLU(gate)
+    and product (4 I b: the product is down's input), and with LoRA the fp32 [r] outputs of gate/up/down's lora_A and
+    without recompute_lora_inputs peft's fp32, dropped-out inputs of gate, up (a copy each) and down. Tiled, all the
+    [T, I] terms live in one tile of the backward (layer_backward_bytes)."""
+    H, inter = s.hidden, s.intermediate
+    per_token = 4 * (H + 1) + b * H  # the norm's fp32 input and rsqrt, the MLP's input
+    if config.mlp_tile_tokens is None:
+        per_token += 4 * inter * b
+        if config.use_peft:
+            per_token += 4 * config.lora_r * 3
+            if not config.recompute_lora_inputs:
+                per_token += (4 + _lora_dropout_bytes(config)) * (2 * H + inter)
     return per_token
 
 
@@ -179,44 +218,72 @@ def layer_mask_bytes(config: TrainConfig, micro_batch: int, T: int, b: int) -> i
     return micro_batch * T * T * (1 + b)
 
 
-# The backward of one layer adds gradients that live together with its saved tensors: with LoRA two fp32 and one
-# bf16 [T, I] gradient of the MLP's down projection input (10 bytes per I), and ~8 bytes per H of residual and norm
-# gradients. Coefficients read off the Qwen2.5-1.5B trace (benchmarks/NOTES.md, "Memory plan"), then checked on the
-# 7B and 8B traces. Tiled, the [T, I] terms are a tile's: its recomputed SwiGLU (4 I b) and those gradients (10 I).
-BACKWARD_BYTES_PER_I, BACKWARD_BYTES_PER_H = 10, 8
+def layer_backward_bytes(s: Shapes, config: TrainConfig, b: int, tokens: int) -> int:
+    """One layer's backward over `tokens` tokens besides the checkpointed inputs (with offload: the first layer's
+    input, which peft's input gradient keeps, and the next layer's prefetched one; the recomputed input itself is
+    kept by nothing once the recompute is done), the larger of two moments. Both hold the recomputed layer's
+    attention_saved_per_token and the gradient of the layer's output (H b, held for the residual branch).
 
+    MLP (down_proj's lora_A backward): mlp_saved_per_token and the gradient of the MLP's input (H b, the tiled MLP's
+    grad_x or down's output gradient), then over the MLP's tokens (one tile's, tiled): the recomputed SwiGLU (tiled:
+    gate, up, SiLU(gate) and product, 4 I b), the gradient of down's input (I b) and with LoRA lora_A's recomputed fp32
+    input, its dropout noise and its gradient (8 + noise bytes per I; with recompute_lora_inputs, LoRAInput's
+    _Recomputed); without it peft's fp32 inputs of gate, up and down in the tile (tiled); full fine-tuning the gate,
+    up and down weights' gradients of a tile in the compute dtype. Past one tile, three [tile, H] tensors more: the
+    tile's recomputed output and two gradients of it.
 
-def layer_backward_transient(s: Shapes, config: TrainConfig, b: int, tokens: int) -> int:
-    """What one layer's backward adds to its saved tensors for `tokens` tokens: untiled the [T, I] gradients and the
-    [T, H] ones; tiled the [T, H] ones and one tile's recomputed MLP, its gradients and its LoRA tensors (peft's fp32
-    inputs of gate, up and down, or with recompute_lora_inputs down's input, lora_A's outputs and the fp32 casts), and
-    with full fine-tuning the gate, up and down weights' gradients of a tile in the compute dtype."""
+    Post-attention norm (its PowBackward): its fp32 input and RMSNORM_BACKWARD_FP32 fp32 [T, H] temporaries, the MLP
+    done (its saved tensors freed). What a tiled layer peaks at past ~4 tiles (Qwen3-8B at 2 x 110K tokens)."""
     H, inter = s.hidden, s.intermediate
-    # the attention's backward: the [T, H] gradients and LoRA's recompute of o_proj's (or q/k/v's) input in fp32, a
-    # dropout mask and the dropped-out copy; what a tiled layer's backward peaks at past ~2 tiles (read off Qwen3-8B
-    # traces at 2 and 4 x 110K tokens: 36 KB a token besides the 8 H)
-    attention = tokens * (BACKWARD_BYTES_PER_H * H + (
-        (8 + _lora_dropout_bytes(config)) * max(H, s.heads * s.head_dim) if config.use_peft else 0))
-    if config.mlp_tile_tokens is None:
-        return max(attention, tokens * (BACKWARD_BYTES_PER_I * inter + BACKWARD_BYTES_PER_H * H))
-    tile = min(config.mlp_tile_tokens, tokens)
+    tile = tokens if config.mlp_tile_tokens is None else min(config.mlp_tile_tokens, tokens)
+    tiled = config.mlp_tile_tokens is not None
+    common = tokens * (attention_saved_per_token(s, config, b) + b * H)
+    lora = (8 + (DROPOUT_NOISE_BYTES if config.lora_dropout > 0 else 0)) * inter if config.use_peft else 0
+    if config.use_peft and tiled and not config.recompute_lora_inputs:
+        lora += (4 + _lora_dropout_bytes(config)) * (2 * H + inter)
+    mlp = common + tokens * (mlp_saved_per_token(s, config, b) + b * H) + tile * (
+        (4 * b if tiled else 0) * inter + b * inter + lora)
+    if tiled and tile < tokens:
+        mlp += 3 * tile * H * b
     if not config.use_peft:
-        lora_tile = 0
-    elif config.recompute_lora_inputs:
-        lora_tile = b * inter + 12 * config.lora_r + 4 * inter
+        mlp += 3 * H * inter * b
+    norm = common + tokens * (4 + 4 * RMSNORM_BACKWARD_FP32) * H
+    return max(mlp, norm)
+
+
+def train_forward_bytes(s: Shapes, config: TrainConfig, b: int, tokens: int) -> int:
+    """A layer's training forward (checkpointed: nothing saved) over `tokens` tokens besides the checkpointed inputs
+    (which hold the layer's input, the residual), the larger of two moments:
+
+    MLP: the residual sum and the MLP's input (2 H b per token), past one tile the tiled output and the previous
+    tile's (held by _tiled_output's loop until the next is formed; H b per token, and per tile token); then per token
+    of one tile (untiled: of all) the larger of down_proj's lora_A (SwiGLU's product, down's base output, and
+    _lora_a_input_bytes per I) and up_proj's LoRA sum (SiLU(gate), up's base output, lora_B's scaled fp32 output and
+    the fp32 sum: 2 I b + 8 I); without LoRA, SwiGLU's product formed beside SiLU(gate) and up (3 I b).
+
+    Attention (o_proj's lora_A): the normed input, the rotated q, SDPA's output, o_proj's base output, v and the
+    rotated k (b (2 H + 2 q + 2 kv)) and o_proj's fp32 input copies (_lora_a_input_bytes per q), the padding mask
+    (layer_mask_bytes, not per token) aside."""
+    q, kv, H, inter = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
+    tile = tokens if config.mlp_tile_tokens is None else min(config.mlp_tile_tokens, tokens)
+    if config.use_peft:
+        down = b * inter + b * H + _lora_a_input_bytes(config) * inter
+        up = 2 * b * inter + 8 * inter
     else:
-        lora_tile = (4 + _lora_dropout_bytes(config)) * (2 * H + inter)
-    transient = tokens * BACKWARD_BYTES_PER_H * H + tile * ((4 * b + BACKWARD_BYTES_PER_I) * inter + lora_tile)
-    if not config.use_peft:
-        transient += 3 * H * inter * b
-    return max(attention, transient)
+        down, up = b * inter + b * H, 3 * b * inter
+    mlp = 2 * tokens * H * b + tile * max(down, up)
+    if tile < tokens:
+        mlp += tokens * H * b + tile * H * b
+    attention = tokens * (b * (2 * H + 2 * q + 2 * kv) + (_lora_a_input_bytes(config) * q if config.use_peft else 0))
+    return max(mlp, attention)
 
 
 def layer_forward_bytes(s: Shapes, config: TrainConfig, b: int, tokens: int, training: bool) -> int:
-    """A layer's forward without grad (checkpointed, or no-grad logprobs) over `tokens` tokens, the larger of two
-    moments: the MLP's down projection (SwiGLU's four [T, I] tensors, and with LoRA its input in fp32 and a dropout
-    mask while training; with mlp_tile_tokens those of one tile) and the attention's output projection
-    (attention_forward_per_token, never tiled: it is what a tiled layer's forward peaks at past ~2 tiles)."""
+    """A layer's forward without grad (no-grad logprobs; training: train_forward_bytes) over `tokens` tokens, the
+    larger of two moments: the MLP's down projection (SwiGLU's four [T, I] tensors, and with LoRA its input in fp32;
+    with mlp_tile_tokens those of one tile) and the attention's output projection (attention_forward_per_token)."""
+    if training:
+        return train_forward_bytes(s, config, b, tokens)
     mlp_tokens = tokens if config.mlp_tile_tokens is None else min(config.mlp_tile_tokens, tokens)
     return max(mlp_tokens * layer_forward_per_token(s, config, b, training),
                tokens * attention_forward_per_token(s, config, b, training))
@@ -225,8 +292,7 @@ def layer_forward_bytes(s: Shapes, config: TrainConfig, b: int, tokens: int, tra
 def attention_forward_per_token(s: Shapes, config: TrainConfig, b: int, training: bool) -> int:
     """Live at a layer's o_proj in a forward without grad, per token, besides the layer's input: the residual, the
     normed input, the rotated q and k, v, SDPA's output and o_proj's (3 H + 2 q + 2 kv in the compute dtype), and
-    with LoRA o_proj's input cast to fp32 and, training with dropout, its mask and the dropped-out copy (read off a
-    Qwen3-8B trace at 2 x 110K tokens, tiles of 16384)."""
+    with LoRA o_proj's input cast to fp32 (the no-grad logprobs; a training forward is train_forward_bytes)."""
     q, kv, H = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
     per_token = b * (3 * H + 2 * q + 2 * kv)
     if config.use_peft:
@@ -300,41 +366,41 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     logprobs = {**resident, "forward (no grad)": layer_forward_bytes(s, config, b, tokens, training=False)
                 + 2 * layer_input, "loss chunk": chunk * s.vocab * 4}
 
-    # train: the checkpointed layer inputs (offloaded: the last one's, and with LoRA the first one's, which peft's
-    # input gradient keeps alive), the final norm's input and output and the completion rows (3 layer inputs), then
-    # the largest of the forward's last layer (before those 3 exist), the fused loss's chunk, and the backward of one
-    # layer
+    # train: the checkpointed layer inputs (offloaded: the last one's, which the next layer's prefetched input
+    # replaces in the backward, and with LoRA the first one's, which peft's input gradient keeps alive), then the
+    # largest of the forward's last layer (train_forward_bytes), the fused loss and the backward of one layer
+    # (layer_backward_bytes: the final hidden states are freed by then)
     if not config.gradient_checkpointing:
         kept = 0
     elif config.offload_activations:
         kept = 2 if config.use_peft else 1
     else:
         kept = s.layers
-    stored = {**resident, "gradients": grads, "checkpointed layer inputs": kept * layer_input,
-              "final hidden states": 3 * layer_input}
-    saved = tokens * layer_saved_per_token(s, config, b) + layer_mask_bytes(config, mb, T, b)
+    stored = {**resident, "gradients": grads, "checkpointed layer inputs": kept * layer_input}
+    mask = layer_mask_bytes(config, mb, T, b)
     if not config.gradient_checkpointing:
-        stored["layer activations"] = s.layers * saved
-    backward = saved + layer_backward_transient(s, config, b, tokens)
-    if config.offload_activations:
-        backward += 3 * layer_input  # the inputs coming back: the one recomputed, the prefetched one, a copy
-    loss_bytes = chunk * s.vocab * (CUDA_LOSS_BYTES_PER_LOGIT if device_type == "cuda" else 8)
+        stored["layer activations"] = s.layers * (tokens * layer_saved_per_token(s, config, b) + mask)
+    backward = layer_backward_bytes(s, config, b, tokens) + mask
+    # the loss: the final norm's input in fp32 (kept by its pow and mul: a copy in bf16, the input itself in fp32;
+    # its bf16 input and output are freed), and over the completion tokens the rows completion_hidden gathers, the
+    # fused loss's selected rows x and its dX (grpo_head.grpo_head_loss, HeadGrads); then a chunk's fp32 logits and
+    # bf16 dZ, and GEMM 2's dX of the chunk (fastgrpo/chunked.py)
+    completion_tokens = mb * config.max_completion_length
+    final = 4 * tokens * s.hidden + 3 * completion_tokens * s.hidden * b
+    loss_bytes = chunk * (s.vocab * (CUDA_LOSS_BYTES_PER_LOGIT if device_type == "cuda" else 8) + s.hidden * b)
     if not config.use_peft:
         loss_bytes += s.vocab * s.hidden * 4  # dW accumulated in fp32
-    forward = layer_forward_bytes(s, config, b, tokens, training=True)
+    forward = layer_forward_bytes(s, config, b, tokens, training=True) + mask
     phases = {"sampling": sampling, "logprobs": logprobs,
-              "train: forward": {**without(stored, "final hidden states"), "layer forward": forward},
-              "train: loss": {**stored, "loss chunk": loss_bytes},
+              "train: forward": {**stored, "layer forward": forward},
+              "train: loss": {**stored, "final hidden states": final, "loss chunk": loss_bytes},
               "train: backward": {**stored, "layer backward": backward},
               "train: optimizer step": {**resident, "gradients": grads, "update temporaries": grads}}
     return Plan(phases, {"per_device_train_batch_size": mb, "kv_blocks": blocks, "kv_blocks_needed": needed,
-                         "kv_blocks_least": least, "mlp_tile_tokens": config.mlp_tile_tokens,
+                         "kv_blocks_least": least, "kv_cache_dtype": config.kv_cache_dtype,
+                         "mlp_tile_tokens": config.mlp_tile_tokens,
                          "loss_chunk_tokens": chunk, "chunk_override": chunk_tokens,
                          "samples_per_step": config.per_device_train_batch_size * config.gradient_accumulation_steps})
-
-
-def without(parts: dict[str, int], name: str) -> dict[str, int]:
-    return {k: v for k, v in parts.items() if k != name}
 
 
 def kv_block_bytes(s: Shapes, block_size: int, b: int) -> int:
@@ -495,6 +561,12 @@ def format_plan(plan: Plan, gpu_bytes: int | None = None) -> str:
     shown = ("per_device_train_batch_size", "kv_blocks", "kv_blocks_needed", "loss_chunk_tokens", "mlp_tile_tokens")
     settings = ", ".join(f"{k} {plan.settings[k]}" for k in shown)
     lines.append(f"planned with {settings}")
+    blocks, needed, least = (plan.settings[k] for k in ("kv_blocks", "kv_blocks_needed", "kv_blocks_least"))
+    if blocks < needed:
+        lines.append(f"KV pool: {blocks} of the {needed} pages a whole round takes at full length: the engine runs as "
+                     f"many completions as fit and preempts the rest (they recompute), at least {least} pages (one "
+                     "completion at a time)" + ("" if plan.settings["kv_cache_dtype"] == "fp8" else
+                                                "; --kv-cache-dtype fp8 holds twice the pages in the same bytes"))
     if gpu_bytes is not None:
         verdict = "fits" if plan.fits(gpu_bytes) else "does NOT fit"
         lines.append(f"{verdict} in {gpu_bytes / GiB:.1f} GiB ({usable(gpu_bytes) / GiB:.1f} GiB for tensors after "

@@ -221,3 +221,25 @@ def test_qwen3_8b_long_reasoning_fits_24_and_80_gib():
     assert large.peak() < 75 * GiB
     assert fitted(config, large) == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,
                                      "steps_per_generation": 4, "mlp_tile_tokens": 16384}  # the whole KV pool
+
+
+def test_plan_says_when_the_kv_pool_is_cut(tmp_path, capsys):
+    """Qwen3-8B, 4-bit LoRA, 32K-token completions, auto-fit for 24 GiB: the pool is cut to what fits, and the plan
+    says so, with the least pool and (bf16 pages) that fp8 holds twice the pages; a whole round's pool says nothing."""
+    from fastgrpo.bench.memory_plan import qwen3_8b_config
+
+    qwen3_8b_config().save_pretrained(tmp_path)
+    args = ["plan", "--model-name-or-path", str(tmp_path), "--use-peft", "--load-in-4bit", "--offload-activations",
+            "-G", "8", "--max-completion-length", "32768", "--gpu-memory", "24GiB", "--auto-fit"]
+    main(args)
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("KV pool: "))
+    blocks, needed = (int(word) for word in line.split()[2:6:3])
+    assert blocks < needed == 16416 and "at least 2080 pages (one completion at a time)" in line
+    assert line.endswith("; --kv-cache-dtype fp8 holds twice the pages in the same bytes")
+    assert f"--kv-cache-blocks {blocks} " in out
+    main([*args, "--kv-cache-dtype", "fp8"])
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("KV pool: "))
+    assert line.endswith("(one completion at a time)") and int(line.split()[2]) > 1.9 * blocks
+    main([*args[:-2], "80GiB", "--auto-fit"])
+    assert "KV pool: " not in capsys.readouterr().out

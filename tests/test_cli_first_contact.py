@@ -12,6 +12,7 @@ import pytest
 
 from fastgrpo.cli import main
 from fastgrpo.train import checkpoint
+from fastgrpo.train.logs import read_metrics
 
 TINY = ["--max-completion-length", "4", "-G", "4", "--per-device-train-batch-size", "8", "--eval-num-samples", "4",
         "--report-to", "none", "--disable-tqdm", "--seed", "3"]  # fmt: skip
@@ -119,6 +120,10 @@ def as_numpy(completions, **kwargs):
 def short_log_extra(completions, log_extra, **kwargs):
     log_extra("note", ["x"])
     return [0.0 for _ in completions]
+
+
+def late(completions, trainer_state, **kwargs):
+    return [0.0] * (len(completions) - (trainer_state.global_step >= 1))
 '''
 
 
@@ -137,6 +142,16 @@ def test_bad_reward_values_are_one_line_exit_1(assets, tmp_path, capsys, rewards
     line = fails(capsys, train_args(assets, tmp_path / "run", "--reward-funcs", f"{rewards_file}:{function}",
                                     "--max-steps", "1", "--log-completions"), code=1)
     assert line.startswith(f"fastgrpo train: error: reward function '{rewards_file}:{function}'") and said in line
+    assert not (tmp_path / "run").exists()  # no step done: the run's files and the folder it made are gone
+
+
+def test_a_reward_error_after_a_step_keeps_the_run(assets, tmp_path, capsys, rewards_file):
+    """What a run wrote is discarded only when no step was done: a failure in step 2 keeps step 1's metrics."""
+    line = fails(capsys, train_args(assets, tmp_path / "run", "--reward-funcs", f"{rewards_file}:late",
+                                    "--max-steps", "2"), code=1)
+    assert "reward function" in line and "got 7 values" in line
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1]
+    assert (tmp_path / "run" / "config.yaml").is_file()
 
 
 def test_a_numpy_array_of_rewards_is_accepted_as_trl_does(assets, tmp_path, rewards_file):

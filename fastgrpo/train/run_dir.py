@@ -83,6 +83,11 @@ def replaceable(path: Path) -> list[Path]:
     return entries
 
 
+def run_entries(path: Path) -> list[Path]:
+    """The entries of `path` that fastgrpo writes (RUN_FILES, RUN_FOLDERS)."""
+    return [p for p in contents(path) if _written_by_fastgrpo(p)]
+
+
 def _written_by_fastgrpo(entry: Path) -> bool:
     if entry.is_symlink():
         return False

@@ -436,15 +436,29 @@ class Trainer:
         # frozen objects are never freed at exit, and triton's bindings then report them as leaks.
         unfreeze = gc.get_freeze_count() == 0
         gc.freeze()
+        fresh = self.step == 0  # not resumed
         try:
             with chunk_size(self.config.loss_chunk_tokens):
                 return self._train()
+        except (RewardError, RolloutError):
+            if fresh:
+                self._discard_unstarted_run()
+            raise
         finally:
             if unfreeze:
                 gc.unfreeze()
             if self.agent is not None:
                 self.agent.close()
-            self.folder.release()
+            self.folder.release(remove_new=True)  # (a folder this run made is removed only if it is empty)
+
+    def _discard_unstarted_run(self) -> None:
+        """A reward function or rollout_func that fails before the first step is done leaves no run behind, as a
+        refused run leaves no file: what this run wrote (its config, memory plan, the initial evaluation's metrics)
+        goes, so that the same command runs again once the function is fixed. A run with a finished step keeps all."""
+        if not self.world.is_main or any(row["step"] >= 1 for row in self.log.history):
+            return
+        self.log.close()
+        run_dir.delete(run_dir.run_entries(self.output_dir))
 
     def _train(self) -> dict:
         config = self.config

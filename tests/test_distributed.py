@@ -5,7 +5,8 @@ and end with the same parameters as 1 process at 8, under FSDP2 and DDP, for dap
 differently), with and without a reference model (beta) and an entropy bonus, over two passes per round
 (num_iterations 2, so old logprobs too), and with LoRA. Observed: metrics within ~3e-7 relative, parameters within
 ~5e-6 of the largest entry (the tolerance is 1e-5). Resume works
-at the same and at another number of processes; a rank that fails ends every rank with its error.
+at the same and at another number of processes; a rank that fails ends every rank with its error. Tools (the
+calculator agent) and dynamic sampling run on 2 processes as on 1.
 """
 
 import math
@@ -89,6 +90,28 @@ def test_two_processes_sample_dynamic_rounds_as_one(tied, tmp_path):
     rows = metrics[1:]
     assert all(r["dynamic/kept_groups"] == 4 for r in rows)
     assert sum(r["dynamic/drawn_groups"] for r in rows) > 3 * 4, "no round dropped a group"
+    assert_same_metrics(metrics, read_metrics(output), tol=TOL)
+    assert_same_parameters(params, torch.load(str(output) + ".pt"))
+
+
+@pytest.mark.slow
+def test_two_processes_run_tools_as_one(tmp_path):
+    """An agent under torchrun: the built-in calculator task (recipes/calculator-agent.yaml's model, data and `add`
+    tool) on 2 processes x 16 rollouts = 1 process x 32: the same tool calls (tools/* metrics gathered over both),
+    metrics and parameters (FSDP2, the default)."""
+    recipes = Path(__file__).parents[1] / "recipes"
+    values = dict(model_name_or_path=str(recipes / "calculator" / "model"),
+                  dataset_name=str(recipes / "calculator" / "data"), prompt_column="prompt", answer_column="answer",
+                  tools=[f"{recipes / 'calculator' / 'tools.py'}:add"], max_tool_calling_iterations=1,
+                  max_completion_length=48, num_generations=8, reward_funcs=["accuracy"], loss_type="dapo",
+                  learning_rate=1e-3, per_device_train_batch_size=32, max_steps=2, save_steps=0, eval_num_samples=16,
+                  report_to=["none"], disable_tqdm=True, seed=7, ddp_timeout=120)
+    output = tmp_path / "two"
+    done = drive([{**values, "output_dir": str(output), "per_device_train_batch_size": 16,
+                   "params_file": str(output) + ".pt"}], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics, params = one_process({**values, "output_dir": str(tmp_path / "one")})
+    assert all(r["tools/call_frequency"] > 0 for r in metrics[1:])
     assert_same_metrics(metrics, read_metrics(output), tol=TOL)
     assert_same_parameters(params, torch.load(str(output) + ".pt"))
 

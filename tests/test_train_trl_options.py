@@ -338,6 +338,8 @@ TRAIN_CASES = {  # name: (options, sampler noise)
     "dapo-off-policy-sampler": (dict(loss_type="dapo", off_policy_mask_threshold=0.05, beta=0.04,
                                      importance_sampling_correction=True, importance_sampling_mode="token_truncate",
                                      max_steps=1), 0.5),
+    # on-policy, no IS correction: the mask still measures from the sampler's logprobs, as TRL from vLLM's
+    "grpo-off-policy-sampler-on-policy": (dict(loss_type="grpo", off_policy_mask_threshold=0.05, max_steps=1), 0.5),
     # 4 optimizer steps (2 per round): the coefficient applied from the second on, measured on the top half
     "bnpo-adaptive-top50": (dict(loss_type="bnpo", use_adaptive_entropy=True, entropy_coef=0.2, entropy_target=10.0,
                                  entropy_coef_delta=0.3, entropy_coef_max=0.8, top_entropy_quantile=0.5,

@@ -17,7 +17,7 @@ class Rollout:
     loss_mask: list[list[int]]  # [P*G][T_i]: 1 on tokens that enter the loss
     old_logps: list[torch.Tensor] | None = None  # [P*G][T_i] fp32 (None: on-policy, the current logps)
     ref_logps: list[torch.Tensor] | None = None  # [P*G][T_i] fp32 (None: beta = 0)
-    sampling_logps: list[torch.Tensor] | None = None  # [P*G][T_i] fp32: the sampler's (None: no IS correction)
+    sampling_logps: list[torch.Tensor] | None = None  # [P*G][T_i] fp32: the sampler's (IS correction, off-policy mask)
     # The sampler's truncated IS correction: [P*G][T_i] per token, or [P*G] per sequence (None: off).
     importance_weights: list[torch.Tensor] | torch.Tensor | None = None
 

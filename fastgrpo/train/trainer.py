@@ -733,8 +733,14 @@ class Trainer:
             with self._phase("logprobs"):
                 rollout.old_logps = self._logprobs(self.policy, rollout)
         sampling_metrics = {}
+        if correct or config.off_policy_mask_threshold is not None:
+            # The sampler's logprobs, for the IS correction and the off-policy mask (which TRL measures from vLLM's
+            # logprobs: the drift of the updates and the sampler's mismatch both); a rollout_func without logprobs
+            # (NaN) leaves the mask the old ones
+            sampled = [torch.tensor(c.logprobs, dtype=torch.float32) for c in completions]
+            if correct or not any(bool(t.isnan().any()) for t in sampled):
+                rollout.sampling_logps = sampled
         if correct:
-            rollout.sampling_logps = [torch.tensor(c.logprobs, dtype=torch.float32) for c in completions]
             rollout.importance_weights, sampling_metrics = sampler_importance_weights(
                 rollout, config.importance_sampling_mode, config.importance_sampling_clip_min,
                 config.importance_sampling_clip_max)
@@ -847,7 +853,7 @@ class Trainer:
                     masks = None
                     if masked:  # the bonus is then the masks': this share's entropy over the global bonus tokens
                         shares = tuple(sum(tokens[i] for i in whole[r * size : (r + 1) * size]) for r in range(K))
-                        sampled = None  # the sampler's logprobs, kept with importance_sampling_correction
+                        sampled = None  # the sampler's logprobs
                         if rollout.sampling_logps is not None and config.off_policy_mask_threshold is not None:
                             sampled = torch.nn.utils.rnn.pad_sequence(
                                 [rollout.sampling_logps[i] for i in index], batch_first=True).to(self.device)  # [b, T]

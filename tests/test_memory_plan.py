@@ -176,6 +176,40 @@ def test_plan_counts_the_layer_options_and_fp8_kv():
     assert pool("auto") == 2 * (pool("fp8") - shapes.layers * 2 * shapes.kv_heads * 4)  # fp8: + its fp32 scales
 
 
+LOGPROBS_CASES = {  # (micro-batch, prompt, completion, options): the moment each peaks at
+    "head": (2, 256, 2048, {}),  # the head's chunk of fp32 logits with the final hidden states
+    "attention": (2, 512, 32768, dict(mlp_tile_tokens=16384)),  # o_proj's LoRA sum (tiled: the MLP is lower)
+    "mlp-mask-peft": (2, 256, 16384, dict(recompute_lora_inputs=False, mask_free_attention=False)),  # up_proj's sum
+    "tiled-mlp": (2, 256, 7936, dict(mlp_tile_tokens=8192)),  # up_proj's sum in the second tile
+    "sdpa-mask": (2, 256, 49152, dict(mlp_tile_tokens=16384, mask_free_attention=False)),  # the additive mask
+    "full-mask": (2, 256, 8192, dict(use_peft=False, load_in_4bit=False, offload_activations=False,
+                                     mask_free_attention=False)),
+}
+
+
+@pytest.mark.parametrize("case", LOGPROBS_CASES.values(), ids=LOGPROBS_CASES.keys())
+def test_logprobs_plan_matches_its_trace(case):
+    """The no-grad logprobs phase (eval mode: Trainer._logprobs) against trace_train_step's "logprobs" at Qwen3-8B's
+    widths (2 of its 36 layers), 4-bit LoRA r 16 with offload unless the case says otherwise: within 0.5% (measured
+    -0.03% to 0.00%: the plan leaves out the micro-batch's token ids and masks, 16-28 bytes a token)."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    from fastgrpo.bench.memory_plan import qwen3_8b_config
+    from fastgrpo.bench.memory_trace import trace_train_step
+
+    micro_batch, prompt, completion, options = case
+    model_config = qwen3_8b_config(131072)
+    model_config.num_hidden_layers = 2
+    options = {"load_in_4bit": True, "offload_activations": True, **options}
+    config = make_config_for("qwen3-8b", **{"use_peft": True, **options}, bf16=True, max_prompt_length=prompt,
+                             max_completion_length=completion, per_device_train_batch_size=micro_batch,
+                             gradient_accumulation_steps=8 // micro_batch)
+    plan = plan_memory(config, shapes=model_shapes(model_config))
+    trace = trace_train_step(model_config, micro_batch=micro_batch, prompt_length=prompt,
+                             completion_length=completion, head="cuda", **options)
+    assert plan.peak("logprobs") == pytest.approx(trace["logprobs"], rel=0.005)
+
+
 def test_auto_fit_prefers_the_micro_batch_then_no_tiles_then_large_tiles_then_fewer_pages():
     shapes = model_shapes(model_config(make_config_for(QWEN_7B)))
     config = lambda length: make_config_for(QWEN_7B, use_peft=True, load_in_4bit=True, offload_activations=True,

@@ -8,7 +8,8 @@ real runs (fastgrpo/bench/memory_trace.py, `fastgrpo bench memory-plan`).
 
 Phases (bytes of live tensors; the CUDA context and allocator slack are the `RESERVE` left out of gpu_memory):
     sampling   weights + trainable state + the KV pool + one engine forward (a token budget) and the sampler
-    logprobs   weights + trainable state + a no-grad micro-batch forward + the loss's no-grad chunk
+    logprobs   weights + trainable state + the larger of a no-grad micro-batch forward's last layer and the head's
+               no-grad chunk with the final hidden states
     train      weights + trainable state + gradients + one micro-batch's checkpointed layer inputs, the recompute of
                one layer in the backward and the fused loss's chunk and gradients, + the optimizer step's states
 A layer's terms follow the layer memory options (mlp_tile_tokens, recompute_lora_inputs, mask_free_attention:
@@ -279,30 +280,86 @@ def train_forward_bytes(s: Shapes, config: TrainConfig, b: int, tokens: int) -> 
 
 
 def layer_forward_bytes(s: Shapes, config: TrainConfig, b: int, tokens: int, training: bool) -> int:
-    """A layer's forward without grad (no-grad logprobs; training: train_forward_bytes) over `tokens` tokens, the
-    larger of two moments: the MLP's down projection (SwiGLU's four [T, I] tensors, and with LoRA its input in fp32;
-    with mlp_tile_tokens those of one tile) and the attention's output projection (attention_forward_per_token)."""
+    """A layer's forward over `tokens` tokens besides its input: a training one's (train_forward_bytes), or without
+    grad the larger of the attention's moment at o_proj (attention_forward_per_token) and the MLP's
+    (mlp_forward_bytes); logprobs_forward_bytes adds what the decoder holds around it."""
     if training:
         return train_forward_bytes(s, config, b, tokens)
-    mlp_tokens = tokens if config.mlp_tile_tokens is None else min(config.mlp_tile_tokens, tokens)
-    return max(mlp_tokens * layer_forward_per_token(s, config, b, training),
-               tokens * attention_forward_per_token(s, config, b, training))
+    return max(tokens * attention_forward_per_token(s, config, b), mlp_forward_bytes(s, config, b, tokens))
 
 
-def attention_forward_per_token(s: Shapes, config: TrainConfig, b: int, training: bool) -> int:
-    """Live at a layer's o_proj in a forward without grad, per token, besides the layer's input: the residual, the
-    normed input, the rotated q and k, v, SDPA's output and o_proj's (3 H + 2 q + 2 kv in the compute dtype), and
-    with LoRA o_proj's input cast to fp32 (the no-grad logprobs; a training forward is train_forward_bytes)."""
+def _fp32_copy_bytes(b: int) -> int:
+    """Bytes per value of an input cast to the fp32 adapter (or norm) dtype: 4, or none in fp32 (`.to` copies
+    nothing)."""
+    return 4 if b < 4 else 0
+
+
+def attention_forward_per_token(s: Shapes, config: TrainConfig, b: int) -> int:
+    """Live in a layer's attention without grad at o_proj (with LoRA its adapter's sum), per token, besides the
+    layer's input: the normed input (q/k/v's input, held by the decoder layer), the rotated q and k, v (held by the
+    attention until it returns), SDPA's output and o_proj's base output (b (2 H + 2 q + 2 kv)); with LoRA lora_B's
+    fp32 output and its scaled copy (then the fp32 sum; 8 H) and without recompute_lora_inputs peft's fp32 copy of
+    o_proj's input, held through the sum (LoRAInput's is gone after lora_A). With LoRA the attention's other moments
+    are lower (q/k/v's sums and the rotation hold fewer tensors; SDPA with a padding mask is logprobs_forward_bytes');
+    without it q's rotation or Qwen3's fp32 q norm holds up to ~2 q b more, under the MLP's 2 H b + 3 I b (I > H)."""
     q, kv, H = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
-    per_token = b * (3 * H + 2 * q + 2 * kv)
+    per_token = b * (2 * H + 2 * q + 2 * kv)
     if config.use_peft:
-        dropout = training and config.lora_dropout > 0
-        per_token += (4 + (_lora_dropout_bytes(config) + 4 if dropout else 0)) * max(H, q)
+        per_token += 8 * H + (_fp32_copy_bytes(b) * q if not config.recompute_lora_inputs else 0)
     return per_token
 
 
+def mlp_forward_bytes(s: Shapes, config: TrainConfig, b: int, tokens: int) -> int:
+    """A layer's MLP without grad over `tokens` tokens besides the layer's input: the residual sum (held for the
+    layer's last add) and the MLP's input (2 H b per token); past one tile the tiled output and the previous tile's
+    (held by _tiled_output's loop until the next is formed; H b per token, and per tile token); then per token of one
+    tile (untiled: of all) the larger of
+      up_proj's sum: SiLU(gate), up's base output (2 I b) and with LoRA lora_B's fp32 output and its scaled copy (8 I)
+        and without recompute_lora_inputs peft's fp32 copy of up's input (held through the sum);
+      down_proj's: SwiGLU's product and down's base output (I b + H b), with LoRA the fp32 cast of the product (lora_A's
+        input, 4 I) and the fp32 lora_B output and its scaled copy (8 H): peft holds its cast through the sum,
+        LoRAInput's is gone after lora_A.
+    Without LoRA, SwiGLU's product formed beside SiLU(gate) and up (3 I b). (gate_proj's sum holds one [T, I] less
+    than up_proj's.)"""
+    H, inter = s.hidden, s.intermediate
+    tile = tokens if config.mlp_tile_tokens is None else min(config.mlp_tile_tokens, tokens)
+    if config.use_peft:
+        cast = _fp32_copy_bytes(b)
+        peft_cast = not config.recompute_lora_inputs
+        up = 2 * b * inter + 8 * inter + (cast * H if peft_cast else 0)
+        down = b * inter + b * H + (cast * inter + 8 * H if peft_cast else max(cast * inter, 8 * H))
+    else:
+        up, down = 3 * b * inter, b * inter + b * H
+    mlp = 2 * tokens * H * b + tile * max(up, down)
+    if tile < tokens:
+        mlp += tokens * H * b + tile * H * b
+    return mlp
+
+
+def logprobs_forward_bytes(s: Shapes, config: TrainConfig, b: int, micro_batch: int, T: int) -> int:
+    """The no-grad backbone's peak over a micro-batch of `micro_batch` sequences padded to T tokens, at its last
+    layer: what the decoder holds through its layers, the embeddings' output (the decoder's inputs_embeds, kept to
+    its end) and the layer's input (held by the decoder's loop while the layer runs; in a one-layer model the same
+    tensor), the rotary cos and sin ([1, T, head_dim] each: the sequences share positions) and, for a padded
+    micro-batch without mask_free_attention, the [m, 1, T, T] boolean mask; plus the larger of the layer's moments
+    (layer_forward_bytes) and, with that mask, SDPA's: the normed input, the rotated q and k, v, K and V repeated to
+    every query head (2 q b, with GQA), the mask's additive copy in the compute dtype (m T^2 b), SDPA's output and
+    fp32 logsumexp (4 per head). (The final norm's moment, the last output and its fp32 copies, is lower.)"""
+    q, kv, H = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
+    tokens = micro_batch * T
+    padded = micro_batch > 1 and not config.mask_free_attention
+    held = tokens * H * b * (2 if s.layers > 1 else 1) + 2 * T * s.head_dim * b + (micro_batch * T * T if padded else 0)
+    layer = layer_forward_bytes(s, config, b, tokens, training=False)
+    if padded:
+        repeated = 2 * q if s.kv_heads < s.heads else 0
+        sdpa = tokens * (b * (H + 2 * q + 2 * kv + repeated) + 4 * s.heads) + micro_batch * T * T * b
+        layer = max(layer, sdpa)
+    return held + layer
+
+
 def layer_forward_per_token(s: Shapes, config: TrainConfig, b: int, training: bool) -> int:
-    """Per token of layer_forward_bytes, untiled (also the sampling engine's prefill, which is not tiled)."""
+    """Per token of the sampling engine's prefill forward (untiled): SwiGLU's four [T, I] tensors at the down
+    projection, and with LoRA its input in fp32."""
     lora = (4 + (_lora_dropout_bytes(config) if training else 0)) if config.use_peft else 0
     return (4 * b + lora) * s.intermediate
 
@@ -362,9 +419,17 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     sampling = {**resident, "KV pool": kv, "output buffers": buffers,
                 "engine forward": max(prefill, rows * 2 * s.hidden * b), "sampler": sampler_bytes(s, rows)}
 
-    # no-grad logprobs: one layer at a time, the last hidden states, and the loss's no-grad chunk of fp32 logits
-    logprobs = {**resident, "forward (no grad)": layer_forward_bytes(s, config, b, tokens, training=False)
-                + 2 * layer_input, "loss chunk": chunk * s.vocab * 4}
+    # no-grad logprobs (eval mode): the larger of two moments, never live together. The backbone at its last layer
+    # (logprobs_forward_bytes); then, the backbone returned, the head: the rows completion_hidden gathers (the final
+    # norm's output and the embeddings are freed), the fp32 logprobs the chunks write, and one chunk's fp32 logits
+    # (CUDA: one GEMM writing fp32; a CPU forms them a vocab block at a time, so this is its upper bound)
+    completion_tokens = mb * config.max_completion_length
+    forward_no_grad = logprobs_forward_bytes(s, config, b, mb, T)
+    head_rows, head_chunk = completion_tokens * (s.hidden * b + 4), chunk * s.vocab * 4
+    if forward_no_grad >= head_rows + head_chunk:
+        logprobs = {**resident, "forward (no grad)": forward_no_grad}
+    else:
+        logprobs = {**resident, "final hidden states": head_rows, "loss chunk": head_chunk}
 
     # train: the checkpointed layer inputs (offloaded: the last one's, which the next layer's prefetched input
     # replaces in the backward, and with LoRA the first one's, which peft's input gradient keeps alive), then the
@@ -385,7 +450,6 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     # its bf16 input and output are freed), and over the completion tokens the rows completion_hidden gathers, the
     # fused loss's selected rows x and its dX (grpo_head.grpo_head_loss, HeadGrads); then a chunk's fp32 logits and
     # bf16 dZ, and GEMM 2's dX of the chunk (fastgrpo/chunked.py)
-    completion_tokens = mb * config.max_completion_length
     final = 4 * tokens * s.hidden + 3 * completion_tokens * s.hidden * b
     loss_bytes = chunk * (s.vocab * (CUDA_LOSS_BYTES_PER_LOGIT if device_type == "cuda" else 8) + s.hidden * b)
     if not config.use_peft:

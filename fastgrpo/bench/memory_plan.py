@@ -1,8 +1,9 @@
 """The memory plan (fastgrpo/train/plan.py) against live-tensor counts (fastgrpo/bench/memory_trace.py), by phase.
 
-1. Real shapes (Qwen2.5-1.5B, Qwen2.5-7B, Llama-3.1-8B from fastgrpo/bench/models/*/config.json): one training
-   micro-batch (G = 8 completions of 1024 tokens after 256-token prompts, LoRA r 16, bf16 or a 4-bit base, offload off
-   or on) and one decode step (64 sequences of 1280 tokens) traced on fake CPU tensors, the loss in its CUDA form.
+1. Real shapes (Qwen2.5-1.5B, Qwen2.5-7B, Llama-3.1-8B from fastgrpo/bench/models/*/config.json): the sampling
+   phase, one micro-batch's no-grad logprobs and training (G = 8 completions of 1024 tokens after 256-token prompts,
+   LoRA r 16, bf16 or a 4-bit base, offload off or on) and one decode step (64 sequences of 1280 tokens) traced on
+   fake CPU tensors, the loss in its CUDA form.
 2. Real runs on this CPU: one `Trainer.train_step` of small Qwen2 models (fp32) per configuration, measured.
 
 3. Long reasoning (issue 33, `--long-reasoning`, alone): `fastgrpo plan ... --use-peft --load-in-4bit
@@ -40,7 +41,7 @@ def error(plan: int, count: int) -> str:
 def real_shapes(rows: list, record: dict) -> None:
     from transformers import AutoConfig
 
-    from fastgrpo.bench.memory_trace import trace_decode_step, trace_train_step
+    from fastgrpo.bench.memory_trace import trace_decode_step, trace_sampling, trace_train_step
     from fastgrpo.train import TrainConfig
     from fastgrpo.train.plan import kv_block_bytes, model_shapes, plan_memory, sampler_bytes, weight_bytes
 
@@ -66,6 +67,12 @@ def real_shapes(rows: list, record: dict) -> None:
                          ("train: loss", plan.peak("train: loss"), trace["loss"]),
                          ("train: backward", plan.peak("train: backward"), trace["backward"]),
                          ("train: optimizer step", plan.peak("train: optimizer step"), trace["optimizer"])]
+                if not offload:  # (sampling does not depend on it)
+                    sampled = trace_sampling(model_config, kv_blocks=plan.settings["kv_blocks"], prompt_length=PROMPT,
+                                             completion_length=COMPLETION, num_generations=G,
+                                             num_prompts=config.generation_batch_size // G, load_in_4bit=four_bit)
+                    record[label]["sampling trace"] = sampled
+                    pairs.insert(0, ("sampling (a round's KV pool)", plan.peak("sampling"), sampled["sampling"]))
                 for phase, planned, counted in pairs:
                     rows.append((label, phase, planned, counted, "trace (fake tensors)"))
                 print(label, "done", flush=True)
@@ -254,8 +261,10 @@ def run(args: argparse.Namespace) -> list[tuple]:
     measured_runs(rows, record)
     lines = [f"# Memory plan vs counted bytes ({day}, torch {torch.__version__}, CPU only: no GPU)", "",
              "`fastgrpo bench memory-plan`. Plan: fastgrpo/train/plan.py from the model's config. Trace: live "
-             "tensor storages of one micro-batch / decode step on fake CPU tensors at real shapes (G 8, 256 + 1024 "
-             "tokens, micro-batch 8, LoRA r 16, the loss in its CUDA form). Measured: live tensor storages of one "
+             "tensor storages of the sampling phase (trace_sampling: a round of 8 prompts, its whole KV pool), one "
+             "micro-batch (no-grad logprobs and training) and a decode step on fake CPU tensors at real shapes (G 8, "
+             "256 + 1024 tokens, micro-batch 8, LoRA r 16, the layer options at their defaults, the loss in its CUDA "
+             "form). Measured: live tensor storages of one "
              "real `Trainer.train_step` on this CPU (fp32). Error = (plan - count) / count.", "",
              "| model / run | phase | plan GiB | counted GiB | error | counted by |", "|---|---|---|---|---|---|"]
     for label, phase, planned, counted, how in rows:

@@ -1,7 +1,7 @@
 """fastgrpo/train/tiling.py: tiled MLPs, LoRA adapters that keep their input as it comes, attention without a
-[b, 1, T, T] mask. Their gradients against the untiled, peft and masked layers'; what one decoder layer keeps for its
-backward (saved_tensors_hooks) and its backward's peak (LiveBytes); a one-step run with the options; the CPU time they
-cost (`python tests/test_tiled_layers.py` prints it)."""
+[b, 1, T, T] mask, recomputed RMSNorms. Their gradients against the untiled, peft, masked and transformers' layers';
+what one decoder layer keeps for its backward (saved_tensors_hooks) and its backward's peak (LiveBytes); a one-step
+run with the options; the CPU time they cost (`python tests/test_tiled_layers.py` prints it)."""
 
 import copy
 import statistics
@@ -11,14 +11,15 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from train_helpers import assert_same_metrics, make_config
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from fastgrpo.bench.memory_trace import LiveBytes
 from fastgrpo.train import TrainConfig, Trainer, tiling
 from fastgrpo.train.config import BUILTIN
 from fastgrpo.train.logs import read_metrics
 
-ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                 "qwen3": (Qwen3Config, Qwen3ForCausalLM)}  # (Qwen3: RMSNorms over each head's q and k too)
 # Small, and every width distinct from the others and from the sequence lengths, so a saved tensor's shape says
 # what it is: hidden 64, intermediate (FFN) 176, 4 query heads and 2 key/value heads of 16.
 H, FFN, HEADS, KV_HEADS, HEAD_DIM, R = 64, 176, 4, 2, 16, 4
@@ -33,7 +34,7 @@ def tiny(arch: str = "qwen2", *, lora: float | None = None, dtype=torch.float32,
     config_class, model_class = ARCHITECTURES[arch]
     model = model_class(config_class(
         vocab_size=50, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=4096,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=4096,
         attn_implementation="sdpa"))  # fmt: skip
     model = model.to(dtype)
     if lora is not None:
@@ -146,6 +147,30 @@ def test_lora_inputs_give_peft_gradients_bit_for_bit(arch, dropout, dtype):
     assert state.keys() == peft_model.state_dict().keys()  # the adapter saves as peft's
 
 
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointed", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lora", [None, 0.0], ids=["full", "lora"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_recomputed_norms_give_the_norms_gradients(arch, lora, dtype, checkpointing, monkeypatch):
+    """Every RMSNorm recomputed in tiles of 7 tokens (3 x 40 tokens: the last tile short; Qwen3's q and k norms in
+    tiles of 28 head rows): the input's and every parameter's gradient equal transformers' norms'. With LoRA in bf16
+    bit for bit; in fp32 the input's gradient sums its two paths (the residual and the norm) in another order
+    (measured <= 2.4e-7: 1e-6 as the tiled MLP); trained norm weights sum their gradient over tiles in their dtype
+    (bf16: measured <= 1.6e-4, a bf16 rounding per tile as gradient accumulation rounds per micro-batch)."""
+    monkeypatch.setattr(tiling, "NORM_TILE_VALUES", 7 * H)
+    plain = checkpointed(tiny(arch, lora=lora, dtype=dtype), checkpointing)
+    recomputed = copy.deepcopy(plain)
+    assert tiling.recompute_norms(recomputed) == (9 if arch == "qwen3" else 5)  # 2 a layer (+ q, k), the final one
+    ids, mask = batch()
+    got, want = gradients(recomputed, ids, mask), gradients(plain, ids, mask)
+    if lora is not None and dtype == torch.bfloat16:
+        assert all(torch.equal(got[name], want[name]) for name in want)
+    elif dtype == torch.float32:
+        assert_same_gradients(got, want, atol=1e-6, rtol=1e-6)
+    else:
+        assert_same_gradients(got, want, atol=1e-3, rtol=1.6e-2)  # bf16's own tolerance
+
+
 def test_lora_inputs_follow_disable_dropout_and_eval():
     model = tiny(lora=0.5)
     tiling.recompute_lora_inputs(model)
@@ -247,11 +272,11 @@ def per_token(model, b: int = 2) -> float:
             - sum(n for n, _, _ in layer_saved(model, 64, b).values())) / (b * 64)
 
 
-def configured(*, lora, tile=None, lora_inputs=False, mask_free=False) -> torch.nn.Module:
+def configured(*, lora, tile=None, lora_inputs=False, mask_free=False, norms=False) -> torch.nn.Module:
     model = tiny(lora=lora, dtype=torch.bfloat16, layers=1)
     if mask_free:
         tiling.use_mask_free_sdpa(hf(model))
-    tiling.apply_layer_memory_options(model, tile, lora_inputs)
+    tiling.apply_layer_memory_options(model, tile, lora_inputs, norms)
     return model
 
 
@@ -277,6 +302,11 @@ def test_saved_bytes_per_layer_lose_their_intermediate_and_fp32_terms():
     assert not any(shape[-2:] == (128, 128) for shape in shapes), shapes
     assert tiled <= 12 * 2 * H, tiled  # O(H): the layer's [T, H] tensors (transformers' RMSNorm keeps 2 in fp32)
     assert plain >= 2 * tiled + 4 * 2 * FFN
+    # recomputed norms: each of the two drops its fp32 input copy and its fp32 rsqrt, and keeps its input in bf16
+    normed_model = configured(lora=0.0, tile=16, lora_inputs=True, mask_free=True, norms=True)
+    assert tiled - per_token(normed_model, b) == 2 * (4 * H + 4) - 2 * 2 * H
+    kept = layer_saved(normed_model, 128, b).values()
+    assert not any(dtype == torch.float32 and shape[-1] in (H, 1) for _, shape, dtype in kept), kept
 
 
 def backward_peak(model, T: int, b: int = 2) -> int:
@@ -317,7 +347,7 @@ def test_options_are_checked():
 
 # -- fastgrpo train --------------------------------------------------------------------------------------------------
 
-OFF = dict(mlp_tile_tokens=None, recompute_lora_inputs=False, mask_free_attention=False)
+OFF = dict(mlp_tile_tokens=None, recompute_lora_inputs=False, mask_free_attention=False, recompute_norms=False)
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(offload_activations=True), dict(use_peft=True, lora_dropout=0.0),
@@ -335,6 +365,7 @@ def test_one_step_with_the_options_gives_the_metrics_without(assets, tmp_path, s
     net = hf(trainer.model)
     assert net.config._attn_implementation == tiling.MASK_FREE_SDPA
     assert net.model.layers[0].mlp.forward.func is tiling._tiled_forward
+    assert net.model.layers[0].input_layernorm.forward.func is tiling._recomputed_norm
     if settings.get("use_peft"):
         assert isinstance(net.model.layers[0].self_attn.q_proj.lora_A["default"], tiling.LoRAInput)
     trainer.train()
@@ -359,7 +390,7 @@ def time_ratios(repeats: int = 9, tokens: int = 1024, tile: int = 256, dropout: 
     """Medians over interleaved repeats of a checkpointed forward + backward, one thread (the ratio is the work's: a
     shared machine's other loads reach one thread least), fp32 as fastgrpo trains on a CPU; LoRA r 16 with
     `dropout` (TrainConfig's 0.05) on a Qwen2 of hidden 256, intermediate 1024 (4 H), 2 layers; 2 rows of tokens / 2,
-    the second right-padded by 50. Each option alone and all three, over the same model with none:
+    the second right-padded by 50. Each option alone and all four, over the same model with none:
     {variant: (wall-time ratio, CPU-time ratio)}, and "none (s)": the plain step's (wall, CPU) seconds."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -369,14 +400,15 @@ def time_ratios(repeats: int = 9, tokens: int = 1024, tile: int = 256, dropout: 
         num_key_value_heads=2, max_position_embeddings=tokens, attn_implementation="sdpa"))  # fmt: skip
     base = checkpointed(get_peft_model(base, LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout,
                                                         target_modules="all-linear")), True).train()
-    options = {"tiled MLP": (tile, False, False), "LoRA inputs": (None, True, False),
-               "mask-free attention": (None, False, True), "all three": (tile, True, True)}
+    options = {"tiled MLP": (tile, False, False, False), "LoRA inputs": (None, True, False, False),
+               "mask-free attention": (None, False, True, False), "recomputed norms": (None, False, False, True),
+               "all four": (tile, True, True, True)}
     variants = {"none": base}
-    for name, (tile_tokens, lora_inputs, mask_free) in options.items():
+    for name, (tile_tokens, lora_inputs, mask_free, norms) in options.items():
         variants[name] = copy.deepcopy(base)
         if mask_free:
             tiling.use_mask_free_sdpa(hf(variants[name]))
-        tiling.apply_layer_memory_options(variants[name], tile_tokens, lora_inputs)
+        tiling.apply_layer_memory_options(variants[name], tile_tokens, lora_inputs, norms)
     ids = torch.randint(0, 256, (2, tokens // 2))
     mask = torch.ones_like(ids)
     mask[1, -50:] = 0

@@ -318,11 +318,12 @@ class _Built:
 
 def _build(config, dtype, *, use_peft, lora_r, lora_alpha, lora_dropout, load_in_4bit, gradient_checkpointing,
            offload_activations, attn_implementation, live: LiveBytes | None, mlp_tile_tokens: int | None = None,
-           recompute_lora_inputs: bool = False, mask_free_attention: bool = False) -> _Built:
+           recompute_lora_inputs: bool = False, mask_free_attention: bool = False,
+           recompute_norms: bool = False) -> _Built:
     """fastgrpo.train.loading.load_policy on fake tensors: the model from its config (nothing allocated), 4-bit linears,
     SDPA without a mask for right-padded batches (mask_free_attention), gradient checkpointing (and offload),
-    use_cache off, then LoRA on all linear layers but the head, then the tiled MLP and LoRA inputs kept as they come
-    (fastgrpo.train.tiling.apply_layer_memory_options, as load_policy calls it)."""
+    use_cache off, then LoRA on all linear layers but the head, then the tiled MLP, LoRA inputs kept as they come and
+    recomputed norms (fastgrpo.train.tiling.apply_layer_memory_options, as load_policy calls it)."""
     from transformers import AutoModelForCausalLM
 
     fake = _fake_mode()
@@ -358,7 +359,7 @@ def _build(config, dtype, *, use_peft, lora_r, lora_alpha, lora_dropout, load_in
                                                      target_modules="all-linear", task_type="CAUSAL_LM"))
         from fastgrpo.train.tiling import apply_layer_memory_options
 
-        apply_layer_memory_options(model, mlp_tile_tokens, use_peft and recompute_lora_inputs)
+        apply_layer_memory_options(model, mlp_tile_tokens, use_peft and recompute_lora_inputs, recompute_norms)
     return _Built(model, fake, offload)
 
 
@@ -388,7 +389,7 @@ def _lora_defaults() -> dict:
     fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     return {name: fields[name] for name in ("lora_alpha", "lora_dropout", "learning_rate", "weight_decay",
                                             "adam_beta1", "adam_beta2", "max_grad_norm", "recompute_lora_inputs",
-                                            "mask_free_attention")}
+                                            "mask_free_attention", "recompute_norms")}
 
 
 def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro_batch: int = 8,
@@ -397,13 +398,15 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
                      optim: str = "adamw_torch", offload_activations: bool = False, beta: float = 0.0,
                      gradient_checkpointing: bool = True, attn_implementation: str | None = None,
                      loss_type: str = "dapo", head: str = "cpu", mlp_tile_tokens: int | None = None,
-                     recompute_lora_inputs: bool | None = None, mask_free_attention: bool | None = None) -> dict:
+                     recompute_lora_inputs: bool | None = None, mask_free_attention: bool | None = None,
+                     recompute_norms: bool | None = None) -> dict:
     """One training micro-batch of fastgrpo's trainer at real shapes on fake CPU tensors: bytes by phase.
 
     `model_config`: a transformers config or a folder with a config.json. The model is built as load_policy builds
     it (4-bit linears, gradient checkpointing, offload, LoRA r / alpha / dropout on all linear layers but the head;
     alpha and dropout default to TrainConfig's; fastgrpo/train/tiling.py's layer memory options `mlp_tile_tokens`,
-    `recompute_lora_inputs` and `mask_free_attention`, the last two TrainConfig's defaults (on) unless given); the
+    `recompute_lora_inputs`, `mask_free_attention` and `recompute_norms`, the last three TrainConfig's defaults (on)
+    unless given); the
     micro-batch is `micro_batch` sequences of `prompt_length` + `completion_length` tokens, every completion token
     scored; first its no-grad logprobs (eval mode), then the trainer's update: PolicyLoss forward (the fused loss,
     `loss_type`, with ref logprobs when beta > 0), backward, clip_grad_norm_, the optimizer step (AdamW with
@@ -448,7 +451,8 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
                    recompute_lora_inputs=defaults["recompute_lora_inputs"] if recompute_lora_inputs is None
                    else recompute_lora_inputs,
                    mask_free_attention=defaults["mask_free_attention"] if mask_free_attention is None
-                   else mask_free_attention)
+                   else mask_free_attention,
+                   recompute_norms=defaults["recompute_norms"] if recompute_norms is None else recompute_norms)
     model, fake = built.model, built.fake
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = _optimizer(parameters, optim, defaults)
@@ -638,7 +642,8 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
     built = _build(config, dtype, use_peft=use_peft, lora_r=lora_r, lora_alpha=defaults["lora_alpha"],
                    lora_dropout=defaults["lora_dropout"], load_in_4bit=load_in_4bit, gradient_checkpointing=False,
                    offload_activations=False, attn_implementation=None, live=None, mlp_tile_tokens=mlp_tile_tokens,
-                   recompute_lora_inputs=defaults["recompute_lora_inputs"], mask_free_attention=False)
+                   recompute_lora_inputs=defaults["recompute_lora_inputs"], mask_free_attention=False,
+                   recompute_norms=defaults["recompute_norms"])
     model, fake = built.model, built.fake
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = _optimizer(parameters, optim, defaults)

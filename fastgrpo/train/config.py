@@ -304,6 +304,10 @@ class TrainConfig:
         True, "LoRA adapters keep their input in the compute dtype (one tensor for q, k and v) and redo its fp32 cast "
               "and dropout mask in the backward, instead of keeping an fp32, dropped-out copy each; the gradients "
               "are peft's, bit for bit")
+    recompute_norms: bool = option(
+        True, "RMSNorms keep their input in the compute dtype for the backward, which recomputes them in tiles, "
+              "instead of keeping an fp32 copy and making five fp32 temporaries of the input's size at once; "
+              "the values and gradients are the norm's own")
     mask_free_attention: bool = option(
         True, "with sdpa attention, a right-padded micro-batch attends with is_causal and no [b, 1, T, T] mask "
               "(which also rules out the flash kernel and repeats K and V per query head); exact for every token "

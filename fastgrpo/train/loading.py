@@ -274,7 +274,8 @@ def load_policy(config: TrainConfig, device: torch.device, checkpoint: Path | No
                               target_modules=config.lora_target_modules if config.lora_target_modules != ["all-linear"]
                               else "all-linear", task_type="CAUSAL_LM")
             model = get_peft_model(model, lora)
-    apply_layer_memory_options(model, config.mlp_tile_tokens, config.use_peft and config.recompute_lora_inputs)
+    apply_layer_memory_options(model, config.mlp_tile_tokens, config.use_peft and config.recompute_lora_inputs,
+                               config.recompute_norms)
     return model
 
 

@@ -261,6 +261,40 @@ def recompute_lora_inputs(model: torch.nn.Module) -> int:
     return count
 
 
+# -- RMSNorm ---------------------------------------------------------------------------------------------------------
+
+
+# Values per tile of a recomputed norm: 16M (4096 tokens of H 4096, or of Qwen3's 32 q heads of 128); its fp32 passes
+# are then 64 MiB each, whatever the micro-batch.
+NORM_TILE_VALUES = 4096 * 4096
+
+
+def _is_rms_norm(module: torch.nn.Module) -> bool:
+    """transformers' RMSNorm modules (LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, ...: per token over the last dim);
+    not Liger's, whose kernels keep no fp32 copy already."""
+    return (type(module).__name__.endswith("RMSNorm") and type(module).__module__.startswith("transformers.")
+            and isinstance(getattr(module, "weight", None), torch.Tensor))
+
+
+def _recomputed_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The norm's own forward, keeping only x (in its dtype) for the backward, which recomputes it in tiles."""
+    tile = max(1, NORM_TILE_VALUES // x.shape[-1])
+    return recomputed(Recompute(functools.partial(type(norm).forward, norm), tile, False), x, [norm.weight])
+
+
+def recompute_norms(model: torch.nn.Module) -> int:
+    """Every transformers RMSNorm of `model` (the layers' input and post-attention norms, Qwen3's q and k norms, the
+    final norm) keeps its input as it comes for the backward, and the backward recomputes it in tiles. transformers'
+    RMSNorm computes in fp32: its autograd keeps the fp32 copy of its input (4 bytes a value, twice a bf16 input's)
+    and its backward makes five fp32 temporaries of the input's size at once, which a layer's backward peaks at past
+    ~100K tokens (Qwen3-8B). Values and gradients are the norm's own (per token; a trained norm weight's gradient is
+    summed over tiles). Only the instance's forward is replaced. Returns how many norms."""
+    norms = [m for m in model.modules() if _is_rms_norm(m)]
+    for norm in norms:
+        norm.forward = functools.partial(_recomputed_norm, norm)
+    return len(norms)
+
+
 # -- attention without a [b, 1, T, T] mask ---------------------------------------------------------------------------
 
 
@@ -299,10 +333,13 @@ def use_mask_free_sdpa(model: torch.nn.Module) -> bool:
 # -- the options -----------------------------------------------------------------------------------------------------
 
 
-def apply_layer_memory_options(model: torch.nn.Module, mlp_tile_tokens: int | None, lora_inputs: bool) -> None:
-    """The tiled MLP and the LoRA inputs on a loaded policy (after peft has wrapped it)."""
+def apply_layer_memory_options(model: torch.nn.Module, mlp_tile_tokens: int | None, lora_inputs: bool,
+                               norms: bool = False) -> None:
+    """The tiled MLP, the LoRA inputs and the recomputed norms on a loaded policy (after peft has wrapped it)."""
     if mlp_tile_tokens is not None:
         tile_mlps(model, mlp_tile_tokens)
     if lora_inputs:
         recompute_lora_inputs(model)
+    if norms:
+        recompute_norms(model)
 

@@ -1,6 +1,8 @@
-"""A decoder layer's training memory without [tokens, intermediate] tensors, fp32 adapter inputs or a [b, 1, T, T] mask.
+"""A decoder layer's training memory without [tokens, intermediate] tensors, fp32 adapter or norm inputs, or a [b, 1,
+T, T] mask.
 
-Three parts, each installed on a loaded model by `apply_layer_memory_options` (loading.py calls it):
+Four parts, each installed on a loaded model by `apply_layer_memory_options` (loading.py calls it; the mask by
+`use_mask_free_sdpa`):
 
 * Tiled MLP (`mlp_tile_tokens`). A SwiGLU MLP's backward keeps, per token, its gate, up, SiLU(gate) and product:
   4 x intermediate values, [T, I] each, ~4x what the rest of the layer keeps (Qwen2.5-7B: I = 18944 = 5.3 H). Tiled,
@@ -22,9 +24,13 @@ Three parts, each installed on a loaded model by `apply_layer_memory_options` (l
   the pads that follow. MASK_FREE_SDPA is transformers' own SDPA attention with one change in its mask: a
   right-padded batch without a cache gets none, and SDPA's is_causal. Exact for every token but the pads, whose
   outputs nothing reads (PolicyLoss scores the tokens of each sequence only); anything else gets transformers' mask.
+* RMSNorms that keep their input as it comes (`recompute_norms`). transformers' RMSNorm computes in fp32; its
+  autograd keeps the fp32 copy of its input and an fp32 rsqrt, and its backward makes five fp32 [T, H] temporaries at
+  once. Recomputed (`recompute_norms` below), each norm keeps its input in its own dtype and the backward recomputes
+  it in tiles of NORM_TILE_VALUES values: the fp32 passes exist one tile at a time.
 
-One mechanism does the first two: `_Recomputed` (or _KeptInput + _TiledOutput) runs a per-token function under
-no_grad, keeps its input, and in the backward recomputes it (in tiles, replaying the forward's random numbers) and
+One mechanism does the first two and the fourth: `_Recomputed` (or _KeptInput + _TiledOutput) runs a per-token function
+under no_grad, keeps its input, and in the backward recomputes it (in tiles, replaying the forward's random numbers) and
 returns the gradients of the input and of the parameters it reads. The parameters are inputs of the Function, so their
 gradients flow through autograd as any other's (hooks, FSDP2's and DDP's reductions and torch.autograd.grad see them
 once, summed over tiles in the parameter's dtype).
@@ -40,6 +46,9 @@ head_dim, LoRA rank r, compute dtype of b bytes), kept from the forward for the 
                    Tiled, the gate/up and down terms and 3 of the 7 lora_A outputs live in the tile only
     attention mask b_mb x T^2 x (1 + b) per micro-batch of b_mb rows: the boolean mask and SDPA's additive copy (0
                    without it), and the GQA repeat of K and V: 2 q b per token (0 without a mask)
+    RMSNorms       2 (4 H + 4) per token with a bf16 input (each norm's fp32 input copy and rsqrt), and 5 x 4 H per
+                   token during its backward; recomputed, each keeps its input (b H; the input norm's is the layer's
+                   input, which a checkpoint keeps anyway), and 5 x 4 H per tile row during the backward
 """
 
 import functools

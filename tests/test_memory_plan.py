@@ -152,8 +152,11 @@ def test_auto_fit_picks_a_smaller_micro_batch_and_the_update_stays(assets, tmp_p
 
 def test_plan_counts_the_layer_options_and_fp8_kv():
     """The tiled MLP drops SwiGLU's four [T, I] tensors from what a layer keeps, LoRA inputs kept as they come replace
-    peft's fp32 copies, mask-free attention drops the repeated K/V and the [m, 1, T, T] mask, fp8 halves the KV pool."""
-    from fastgrpo.train.plan import mlp_saved_per_token
+    peft's fp32 copies, mask-free attention drops the repeated K/V and the [m, 1, T, T] mask, recomputed norms keep
+    their inputs as they come instead of fp32 copies (and no [T, H] fp32 temporaries in the backward), fp8 halves the
+    KV pool."""
+    from fastgrpo.bench.memory_plan import qwen3_8b_config
+    from fastgrpo.train.plan import attention_saved_per_token, mlp_saved_per_token
 
     shapes = model_shapes(model_config(make_config_for(QWEN_7B)))
     H, inter, q = shapes.hidden, shapes.intermediate, shapes.heads * shapes.head_dim
@@ -171,6 +174,22 @@ def test_plan_counts_the_layer_options_and_fp8_kv():
                                                                   mlp_tile_tokens=1024), 2))
     assert untiled - tiled == 4 * inter * 2 + 4 * 16 * 3  # SwiGLU's four [T, I] and gate/up/down's lora_A outputs
     assert backward(mlp_tile_tokens=1024) < backward()
+    # recompute_norms off: today's fp32 inputs and rsqrt; on: the post-attention norm keeps the residual sum (H b), the
+    # input norm the layer's input when the offload fetched it back (Qwen2.5 has no q/k norms)
+    norms_off = make_config_for(QWEN_7B, use_peft=True, bf16=True, mlp_tile_tokens=1024, recompute_norms=False)
+    tiled_config = make_config_for(QWEN_7B, use_peft=True, bf16=True, mlp_tile_tokens=1024)
+    assert (mlp_saved_per_token(shapes, norms_off, 2) - mlp_saved_per_token(shapes, tiled_config, 2)
+            == 4 * (H + 1) - 2 * H)
+    assert (attention_saved_per_token(shapes, norms_off, 2) - attention_saved_per_token(shapes, tiled_config, 2)
+            == 4 * (H + 1))
+    offloaded = make_config_for(QWEN_7B, use_peft=True, bf16=True, mlp_tile_tokens=1024, offload_activations=True)
+    assert (attention_saved_per_token(shapes, offloaded, 2) - attention_saved_per_token(shapes, tiled_config, 2)
+            == 2 * H)
+    assert backward(mlp_tile_tokens=1024) < backward(mlp_tile_tokens=1024, recompute_norms=False)
+    qwen3 = model_shapes(qwen3_8b_config(131072))  # per-head q/k norms; at 2 x 110K tokens the fp32 norm moment peaks
+    long = lambda **o: plan_memory(long_config(110000, **o), shapes=qwen3, micro_batch=2).phases["train: backward"]
+    assert long(mlp_tile_tokens=16384)["layer backward"] < 0.75 * long(mlp_tile_tokens=16384,
+                                                                        recompute_norms=False)["layer backward"]
     pool = lambda kv: plan_memory(make_config_for(QWEN_7B, use_peft=True, bf16=True, kv_cache_dtype=kv),
                                   shapes=shapes).phases["sampling"]["KV pool"]
     assert pool("auto") == 2 * (pool("fp8") - shapes.layers * 2 * shapes.kv_heads * 4)  # fp8: + its fp32 scales
@@ -184,6 +203,9 @@ LOGPROBS_CASES = {  # (micro-batch, prompt, completion, options): the moment eac
     "sdpa-mask": (2, 256, 49152, dict(mlp_tile_tokens=16384, mask_free_attention=False)),  # the additive mask
     "full-mask": (2, 256, 8192, dict(use_peft=False, load_in_4bit=False, offload_activations=False,
                                      mask_free_attention=False)),
+    "attention-fp32-norms": (2, 512, 32768, dict(mlp_tile_tokens=16384, recompute_norms=False)),  # as "attention"
+    "full-mask-fp32-norms": (2, 256, 8192, dict(use_peft=False, load_in_4bit=False, offload_activations=False,
+                                                mask_free_attention=False, recompute_norms=False)),
 }
 
 
@@ -220,9 +242,9 @@ def test_auto_fit_prefers_the_micro_batch_then_no_tiles_then_large_tiles_then_fe
     assert fitted(config(1024), short) == {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
                                            "steps_per_generation": 1}  # no tiles, the whole pool: it fits as it is
     long = auto_fit(config(16384), 24 * GiB, shapes)
-    picks = fitted(config(16384), long)
-    assert picks["mlp_tile_tokens"] == 16384 and picks["per_device_train_batch_size"] == 4 and long.fits(24 * GiB)
-    untiled = plan_memory(config(16384), shapes=shapes, micro_batch=4)
+    picks = fitted(config(16384), long)  # 8 x 16896 tokens: the backward traces 21.79 GiB (fp32 norms: 24.1 planned)
+    assert picks["mlp_tile_tokens"] == 16384 and picks["per_device_train_batch_size"] == 8 and long.fits(24 * GiB)
+    untiled = plan_memory(config(16384), shapes=shapes, micro_batch=8)
     assert untiled.peak("train: backward") > usable(24 * GiB)  # tiles only because untiled does not fit
     # fewer KV pages only where the round's pool does not fit: Qwen3-8B-sized pools at 32K tokens on 24 GiB
     longer = auto_fit(config(32768), 24 * GiB, shapes)
@@ -239,7 +261,8 @@ def long_config(length: int, **overrides):
 def test_qwen3_8b_long_reasoning_fits_24_and_80_gib():
     """Issue 33: Qwen3-8B (config from its published numbers), 4-bit LoRA r 16, G 8. 32K-token completions train under
     22 GiB on a 24 GiB card (the KV pool takes what is left, and its least pool fits too); 110K-token completions
-    under 75 GiB on an 80 GiB card with fp8 KV, the whole round's pool included."""
+    under 75 GiB on an 80 GiB card with fp8 KV, the whole round's pool included: micro-batch 4 with recompute_norms
+    (the backward traces 63.0 GiB), 2 without (its fp32 norms: 84 GiB at 4)."""
     from fastgrpo.bench.memory_plan import qwen3_8b_config
     from fastgrpo.train.plan import auto_fit, fitted
 
@@ -253,8 +276,10 @@ def test_qwen3_8b_long_reasoning_fits_24_and_80_gib():
     config = long_config(110000, kv_cache_dtype="fp8")
     large = auto_fit(config, 80 * GiB, shapes)
     assert large.peak() < 75 * GiB
-    assert fitted(config, large) == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,
-                                     "steps_per_generation": 4, "mlp_tile_tokens": 16384}  # the whole KV pool
+    assert fitted(config, large) == {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+                                     "steps_per_generation": 2, "mlp_tile_tokens": 16384}  # the whole KV pool
+    fp32_norms = long_config(110000, kv_cache_dtype="fp8", recompute_norms=False)
+    assert fitted(fp32_norms, auto_fit(fp32_norms, 80 * GiB, shapes))["per_device_train_batch_size"] == 2
 
 
 def test_plan_says_when_the_kv_pool_is_cut(tmp_path, capsys):

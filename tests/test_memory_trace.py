@@ -200,17 +200,20 @@ def test_measure_trainer_step(assets, tmp_path):
 # -- the plan against traces with the layer memory options --------------------------------------------------------
 
 
-LAYER_OPTIONS = {"none": dict(recompute_lora_inputs=False, mask_free_attention=False), "defaults": {},
-                 "tiled": dict(mlp_tile_tokens=1024), "tiled-peft-inputs": dict(mlp_tile_tokens=1024,
-                                                                                recompute_lora_inputs=False)}
+LAYER_OPTIONS = {"none": dict(recompute_lora_inputs=False, mask_free_attention=False, recompute_norms=False),
+                 "defaults": {}, "tiled": dict(mlp_tile_tokens=1024),
+                 "tiled-peft-inputs": dict(mlp_tile_tokens=1024, recompute_lora_inputs=False),
+                 "fp32-norms": dict(recompute_norms=False), "tiled-fp32-norms": dict(mlp_tile_tokens=1024,
+                                                                                     recompute_norms=False)}
 
 
 @pytest.mark.parametrize("options", LAYER_OPTIONS.values(), ids=LAYER_OPTIONS.keys())
 def test_plan_matches_traces_with_the_layer_options(options):
     """Qwen3-8B's layers at real widths (2 of its 36, so a trace takes seconds), 4-bit LoRA r 16, offload, 2 x (256 +
-    2048) tokens: each training moment's plan within 5% of the trace. Not the real-shape benchmark's 1%: with 2 layers
-    the weights are 0.9 GiB of ~4 GiB, so the per-token coefficients (BACKWARD_BYTES_PER_*, read off whole-model traces,
-    and the tiled LoRA terms, rounded up) weigh ~5x more; measured -2.2% (none), -0.2%, +3.9% (the plan high), -2.2%."""
+    2048) tokens: each training moment's plan within 5% of the trace. Not the real-shape benchmark's 1.5%: with 2
+    layers the weights are 2.5 GiB of ~4 GiB, so the per-token terms that the plan rounds (CUDA's 1-byte dropout mask
+    for peft's kept inputs, where the CPU trace keeps 4-byte noise) weigh more; backward measured -0.6% (none), +0.9%,
+    +1.1%, -3.6%, -0.7% and +0.0% (recompute_norms off, untiled and tiled)."""
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
     from fastgrpo.bench.memory_plan import qwen3_8b_config
@@ -234,9 +237,10 @@ def test_plan_matches_traces_with_the_layer_options(options):
 
 @pytest.mark.slow
 def test_qwen3_8b_at_110k_tokens_traces_under_75_gib():
-    """Issue 33: the micro-batch auto-fit picks for Qwen3-8B at 110K-token completions on 80 GiB (2 x 110512 tokens,
-    tiles of 16384, 4-bit LoRA r 16, offload), traced at its real shapes (~30 s): under 75 GiB, and the plan within
-    3% of it (measured +0.7%)."""
+    """Issue 33: the micro-batch auto-fit picks for Qwen3-8B at 110K-token completions on 80 GiB (4 x 110512 tokens
+    with recompute_norms, 2 without; tiles of 16384, 4-bit LoRA r 16, offload), traced at its real shapes (~2 min):
+    under 75 GiB (63.0 GiB; 2 x 110512 tokens 34.7 GiB, 45.3 without recompute_norms), and the plan within 1.5% of it
+    (measured -0.13%; 2 x 110512 -0.18%)."""
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
     from fastgrpo.bench.memory_plan import qwen3_8b_config
@@ -246,13 +250,14 @@ def test_qwen3_8b_at_110k_tokens_traces_under_75_gib():
     model_config = qwen3_8b_config(131072)  # past the published 40960 positions
     config = TrainConfig(model_name_or_path="qwen3-8b", dataset_name="builtin", use_peft=True, load_in_4bit=True,
                          offload_activations=True, num_generations=8, max_completion_length=110000,
-                         max_prompt_length=512, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                         max_prompt_length=512, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                          bf16=True, mlp_tile_tokens=16384)
     plan = plan_memory(config, shapes=model_shapes(model_config))
-    trace = trace_train_step(model_config, micro_batch=2, prompt_length=512, completion_length=110000,
+    trace = trace_train_step(model_config, micro_batch=4, prompt_length=512, completion_length=110000,
                              load_in_4bit=True, offload_activations=True, head="cuda", mlp_tile_tokens=16384)
     assert trace["train"] < 75 * 2**30
-    assert plan.peak("train: backward") == pytest.approx(trace["backward"], rel=0.03)
+    assert plan.peak("train: backward") == pytest.approx(trace["backward"], rel=0.015)
+    assert plan.peak("logprobs") == pytest.approx(trace["logprobs"], rel=0.015)
 
 
 # -- trace_sampling --------------------------------------------------------------------------------------------------
@@ -293,8 +298,9 @@ def test_sampling_trace_matches_the_plan(kv_cache_dtype):
 def test_qwen3_8b_at_32k_tokens_every_phase_traces_under_22_gib():
     """Issue 33: Qwen3-8B, 4-bit LoRA r 16, G 8, completions of 32768 tokens, auto-fit for a 24 GiB card (21.8 GiB for
     tensors): the sampling phase (KV pool bf16 and fp8, as many pages as fit), the no-grad logprobs and the training
-    micro-batch at the setting auto-fit picks, traced at real shapes (~30 s): each planned and traced under 22 GiB,
-    and sampling's plan within 3% of its trace (measured +0.01%)."""
+    micro-batch at the setting auto-fit picks (2 x 33280 tokens, tiles of 16384), traced at real shapes (~30 s): each
+    planned and traced under 22 GiB (the train peak 16.8 GiB, 18.5 without recompute_norms), sampling's plan within 3%
+    of its trace (measured +0.01%) and the backward's within 1.5% (measured -0.11%)."""
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
     from fastgrpo.bench.memory_plan import qwen3_8b_config
@@ -321,3 +327,4 @@ def test_qwen3_8b_at_32k_tokens_every_phase_traces_under_22_gib():
                              mlp_tile_tokens=plan.settings["mlp_tile_tokens"])
     assert max(trace["train"], trace["logprobs"]) < 22 * GiB
     assert max(plan.peak(p) for p in plan.phases if p != "sampling") < 22 * GiB
+    assert plan.peak("train: backward") == pytest.approx(trace["backward"], rel=0.015)

@@ -12,9 +12,9 @@ Phases (bytes of live tensors; the CUDA context and allocator slack are the `RES
                no-grad chunk with the final hidden states
     train      weights + trainable state + gradients + one micro-batch's checkpointed layer inputs, the recompute of
                one layer in the backward and the fused loss's chunk and gradients, + the optimizer step's states
-A layer's terms follow the layer memory options (mlp_tile_tokens, recompute_lora_inputs, mask_free_attention:
-fastgrpo/train/tiling.py), the KV pool kv_cache_dtype (fp8: a byte per value); `auto_fit` states its order of
-preference.
+A layer's terms follow the layer memory options (mlp_tile_tokens, recompute_lora_inputs, mask_free_attention,
+recompute_norms: fastgrpo/train/tiling.py), the KV pool kv_cache_dtype (fp8: a byte per value); `auto_fit` states its
+order of preference.
 Sequences are planned at their longest, as a micro-batch pads to its longest: the training data's longest prompt
 (`fastgrpo train`) or max_prompt_length (`fastgrpo plan`, which reads no data), plus max_completion_length.
 """
@@ -163,6 +163,15 @@ DROPOUT_NOISE_BYTES = 4
 RMSNORM_BACKWARD_FP32 = 5
 
 
+def _norm_tile_rows(width: int, tokens: int) -> int:
+    """Rows of one tile of a recomputed norm (recompute_norms) over `tokens` rows of `width` values: its backward
+    (and a no-grad norm) runs NORM_TILE_VALUES // width rows at a time (tiling._recomputed_norm), so its fp32 copy and
+    temporaries exist for one tile only."""
+    from fastgrpo.train.tiling import NORM_TILE_VALUES
+
+    return min(tokens, max(1, NORM_TILE_VALUES // width))
+
+
 def _lora_a_input_bytes(config: TrainConfig) -> int:
     """fp32 bytes per input value at an adapted layer's lora_A in a training forward: the input cast to the fp32
     adapter's dtype (peft's cast, or LoRAInput's) and, with dropout, the noise and the dropped-out copy."""
@@ -177,15 +186,13 @@ def layer_saved_per_token(s: Shapes, config: TrainConfig, b: int) -> int:
 def attention_saved_per_token(s: Shapes, config: TrainConfig, b: int) -> int:
     """What a recomputed layer keeps for the backward of its input norm and attention, per token: the normed input
     (q/k/v's input), the rotated q and SDPA's output (o_proj's input), v and the rotated k (b (H + 2 q + 2 kv)); the
-    input norm's fp32 input (4 H, kept by its pow and mul: in bf16 a copy, in fp32 the input itself), with per-head
-    q/k norms (Qwen3) theirs (4 (q + kv)), and each norm's fp32 rsqrt per row; SDPA's fp32 logsumexp (4 per head);
-    k and v repeated to every query head (2 q b: SDPA with a padding mask and GQA, so not with mask_free_attention).
-    With LoRA the fp32 [r] outputs of q/k/v/o's lora_A (kept by lora_B), and without recompute_lora_inputs peft's
-    fp32, dropped-out inputs of q, k, v (a copy each) and o, 4 + d bytes per value. (The residual is not kept: its
-    add saves nothing.)"""
+    norms' inputs (_norms_saved_per_token); SDPA's fp32 logsumexp (4 per head); k and v repeated to every query head
+    (2 q b: SDPA with a padding mask and GQA, so not with mask_free_attention). With LoRA the fp32 [r] outputs of
+    q/k/v/o's lora_A (kept by lora_B), and without recompute_lora_inputs peft's fp32, dropped-out inputs of q, k, v
+    (a copy each) and o, 4 + d bytes per value. (The residual is not kept: its add saves nothing.)"""
     q, kv, H = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
     repeated = 2 * q if s.kv_heads < s.heads and not config.mask_free_attention else 0
-    norms = 4 * (H + 1) + (4 * (q + kv + s.heads + s.kv_heads) if s.head_norms else 0)  # fp32 inputs, rsqrt
+    norms = _norms_saved_per_token(s, config, b)
     per_token = b * (H + 2 * q + 2 * kv + repeated) + norms + 4 * s.heads
     if config.use_peft:
         per_token += 4 * config.lora_r * 4
@@ -194,14 +201,39 @@ def attention_saved_per_token(s: Shapes, config: TrainConfig, b: int) -> int:
     return per_token
 
 
+def _norms_saved_per_token(s: Shapes, config: TrainConfig, b: int) -> int:
+    """What a recomputed layer's input norm and (Qwen3) per-head q/k norms keep for their backward, per token.
+
+    transformers' RMSNorm: the fp32 input (4 H, kept by its pow and mul: in bf16 a copy, in fp32 the input itself),
+    with per-head q/k norms theirs (4 (q + kv)), and each norm's fp32 rsqrt per row (per head for q/k).
+
+    recompute_norms (tiling._recomputed_norm): each keeps its input as it comes, nothing fp32. The q/k norms' inputs
+    are q_proj's and k_proj's outputs ((q + kv) b; else freed once the fp32 copy is made). The input norm's is the
+    layer's input (H b): with offload_activations the copy fetched back for the recompute, otherwise freed once the
+    recompute is done (the prefetched next layer's is checkpointed layer inputs' own), and without checkpointing the
+    previous layer's output; checkpointed without offload, the checkpoint's own kept input (counted there)."""
+    q, kv, H = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
+    if not config.recompute_norms:
+        return 4 * (H + 1) + (4 * (q + kv + s.heads + s.kv_heads) if s.head_norms else 0)  # fp32 inputs, rsqrt
+    layer_input = not config.gradient_checkpointing or config.offload_activations
+    return (H * b if layer_input else 0) + ((q + kv) * b if s.head_norms else 0)
+
+
+def _post_attention_norm_saved_per_token(config: TrainConfig, H: int, b: int) -> int:
+    """What the post-attention norm keeps, per token: its fp32 input and rsqrt (4 (H + 1)), or with recompute_norms
+    its input as it comes, the residual sum (H b; the MLP's residual add saves nothing, so nothing else keeps it)."""
+    return H * b if config.recompute_norms else 4 * (H + 1)
+
+
 def mlp_saved_per_token(s: Shapes, config: TrainConfig, b: int) -> int:
-    """What a recomputed layer keeps for its post-attention norm and MLP, per token: the norm's fp32 input (4 H) and
-    its output, the MLP's input (H b: kept by the tiled MLP, or by gate/up); untiled also SwiGLU's gate, up, SiLU(gate)
-    and product (4 I b: the product is down's input), and with LoRA the fp32 [r] outputs of gate/up/down's lora_A and
-    without recompute_lora_inputs peft's fp32, dropped-out inputs of gate, up (a copy each) and down. Tiled, all the
-    [T, I] terms live in one tile of the backward (layer_backward_bytes)."""
+    """What a recomputed layer keeps for its post-attention norm and MLP, per token: the norm's input
+    (_post_attention_norm_saved_per_token) and its output, the MLP's input (H b: kept by the tiled MLP, or by
+    gate/up); untiled also SwiGLU's gate, up, SiLU(gate) and product (4 I b: the product is down's input), and with
+    LoRA the fp32 [r] outputs of gate/up/down's lora_A and without recompute_lora_inputs peft's fp32, dropped-out inputs
+    of gate, up (a copy each) and down. Tiled, all the [T, I] terms live in one tile of the backward
+    (layer_backward_bytes)."""
     H, inter = s.hidden, s.intermediate
-    per_token = 4 * (H + 1) + b * H  # the norm's fp32 input and rsqrt, the MLP's input
+    per_token = _post_attention_norm_saved_per_token(config, H, b) + b * H  # the norm's input, the MLP's input
     if config.mlp_tile_tokens is None:
         per_token += 4 * inter * b
         if config.use_peft:
@@ -222,8 +254,9 @@ def layer_mask_bytes(config: TrainConfig, micro_batch: int, T: int, b: int) -> i
 def layer_backward_bytes(s: Shapes, config: TrainConfig, b: int, tokens: int) -> int:
     """One layer's backward over `tokens` tokens besides the checkpointed inputs (with offload: the first layer's
     input, which peft's input gradient keeps, and the next layer's prefetched one; the recomputed input itself is
-    kept by nothing once the recompute is done), the larger of two moments. Both hold the recomputed layer's
-    attention_saved_per_token and the gradient of the layer's output (H b, held for the residual branch).
+    kept by nothing once the recompute is done but a recomputed input norm, see _norms_saved_per_token), the largest
+    of three moments. All hold the recomputed layer's attention_saved_per_token and the gradient of the layer's output
+    (H b, held for the residual branch).
 
     MLP (down_proj's lora_A backward): mlp_saved_per_token and the gradient of the MLP's input (H b, the tiled MLP's
     grad_x or down's output gradient), then over the MLP's tokens (one tile's, tiled): the recomputed SwiGLU (tiled:
@@ -234,7 +267,20 @@ def layer_backward_bytes(s: Shapes, config: TrainConfig, b: int, tokens: int) ->
     tile's recomputed output and two gradients of it.
 
     Post-attention norm (its PowBackward): its fp32 input and RMSNORM_BACKWARD_FP32 fp32 [T, H] temporaries, the MLP
-    done (its saved tensors freed). What a tiled layer peaks at past ~4 tiles (Qwen3-8B at 2 x 110K tokens)."""
+    done (its saved tensors freed). What a tiled layer peaks at past ~4 tiles (Qwen3-8B at 2 x 110K tokens). With
+    recompute_norms (its _Recomputed backward) only over one tile of the norm (_norm_tile_rows): the norm's kept input,
+    the MLP input's gradient it receives and the grad_x it fills (3 H b per token), then the tile's fp32 copy, its
+    temporaries and its recomputed output (4 + 4 RMSNORM_BACKWARD_FP32 + b per value): under the MLP's moment but for
+    a few thousand tokens (one norm tile, about an MLP tile).
+
+    Attention (o_proj's lora_A backward, the first of the attention's backward: everything it saved still live):
+    besides the output's gradient, the gradient of o_proj's base output waiting for its backward (peft sums the base
+    output and the fp32 adapter's in fp32 and casts back, so its bf16 gradient is a cast copy; H b), then over o_proj's
+    input (q) lora_A's gradient in fp32 (4), with recompute_lora_inputs LoRAInput's recomputed fp32 input (dropped
+    out: the noise and the copy, or the cast itself; 4 + noise) and the grad_x it fills (b), without it the dropout's
+    backward in fp32 (peft's input is saved already; 4) and the cast's gradient (b); full fine-tuning o_proj's weight
+    gradient (H q b) and its input's (q b). Past ~4 tiles with recompute_norms (Qwen3-8B at 2 x 110K tokens) the
+    peak."""
     H, inter = s.hidden, s.intermediate
     tile = tokens if config.mlp_tile_tokens is None else min(config.mlp_tile_tokens, tokens)
     tiled = config.mlp_tile_tokens is not None
@@ -248,8 +294,17 @@ def layer_backward_bytes(s: Shapes, config: TrainConfig, b: int, tokens: int) ->
         mlp += 3 * tile * H * b
     if not config.use_peft:
         mlp += 3 * H * inter * b
-    norm = common + tokens * (4 + 4 * RMSNORM_BACKWARD_FP32) * H
-    return max(mlp, norm)
+    if config.recompute_norms:
+        norm = common + 3 * tokens * H * b + _norm_tile_rows(H, tokens) * (4 + 4 * RMSNORM_BACKWARD_FP32 + b) * H
+    else:
+        norm = common + tokens * (4 + 4 * RMSNORM_BACKWARD_FP32) * H
+    q = s.heads * s.head_dim
+    if config.use_peft:
+        noise = DROPOUT_NOISE_BYTES if config.lora_dropout > 0 else 0
+        attention = common + tokens * (H * b + q * (4 + (4 + noise if config.recompute_lora_inputs else 4) + b))
+    else:
+        attention = common + tokens * q * b + H * q * b
+    return max(mlp, norm, attention)
 
 
 def train_forward_bytes(s: Shapes, config: TrainConfig, b: int, tokens: int) -> int:
@@ -447,10 +502,12 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
         stored["layer activations"] = s.layers * (tokens * layer_saved_per_token(s, config, b) + mask)
     backward = layer_backward_bytes(s, config, b, tokens) + mask
     # the loss: the final norm's input in fp32 (kept by its pow and mul: a copy in bf16, the input itself in fp32;
-    # its bf16 input and output are freed), and over the completion tokens the rows completion_hidden gathers, the
-    # fused loss's selected rows x and its dX (grpo_head.grpo_head_loss, HeadGrads); then a chunk's fp32 logits and
-    # bf16 dZ, and GEMM 2's dX of the chunk (fastgrpo/chunked.py)
-    final = 4 * tokens * s.hidden + 3 * completion_tokens * s.hidden * b
+    # its bf16 input and output are freed), with recompute_norms its input as it comes (the last layer's output, b
+    # bytes), and over the completion tokens the rows completion_hidden gathers, the fused loss's selected rows x and
+    # its dX (grpo_head.grpo_head_loss, HeadGrads); then a chunk's fp32 logits and bf16 dZ, and GEMM 2's dX of the
+    # chunk (fastgrpo/chunked.py)
+    final_norm = b if config.recompute_norms else 4
+    final = final_norm * tokens * s.hidden + 3 * completion_tokens * s.hidden * b
     loss_bytes = chunk * (s.vocab * (CUDA_LOSS_BYTES_PER_LOGIT if device_type == "cuda" else 8) + s.hidden * b)
     if not config.use_peft:
         loss_bytes += s.vocab * s.hidden * 4  # dW accumulated in fp32

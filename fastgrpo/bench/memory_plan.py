@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> list[tuple]:
     measured_runs(rows, record)
     lines = [f"# Memory plan vs counted bytes ({day}, torch {torch.__version__}, CPU only: no GPU)", "",
              "`fastgrpo bench memory-plan`. Plan: fastgrpo/train/plan.py from the model's config. Trace: live "
-             "tensor storages of the sampling phase (trace_sampling: a round of 8 prompts, its whole KV pool), one "
+             "tensor storages of the sampling phase (trace_sampling: a round of 8 completions, its whole KV pool), one "
              "micro-batch (no-grad logprobs and training) and a decode step on fake CPU tensors at real shapes (G 8, "
              "256 + 1024 tokens, micro-batch 8, LoRA r 16, the layer options at their defaults, the loss in its CUDA "
              "form). Measured: live tensor storages of one "

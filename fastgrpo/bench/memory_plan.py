@@ -249,12 +249,7 @@ def run(args: argparse.Namespace) -> list[tuple]:
     day = datetime.date.today().isoformat()
     if args.long_reasoning:
         long_reasoning(rows, record, traces=not args.no_long_traces)
-        text = long_reasoning_report(rows, day)
-        print(text)
-        out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"memory-plan-long-{day}.md").write_text(text)
-        (out / f"memory-plan-long-{day}.json").write_text(json.dumps(record, indent=1, default=str))
+        write(args.out_dir, f"memory-plan-long-{day}", long_reasoning_report(rows, day), record)
         return rows
     if not args.skip_traces:
         real_shapes(rows, record)
@@ -272,10 +267,14 @@ def run(args: argparse.Namespace) -> list[tuple]:
         unit = "" if scale == GiB else " MiB"
         lines.append(f"| {label} | {phase} | {planned / scale:.3f}{unit} | {counted / scale:.3f}{unit} | "
                      f"{error(planned, counted)} | {how} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"memory-plan-{day}.md").write_text(text)
-    (out / f"memory-plan-{day}.json").write_text(json.dumps(record, indent=1, default=str))
+    write(args.out_dir, f"memory-plan-{day}", "\n".join(lines) + "\n", record)
     return rows
+
+
+def write(out_dir: str, name: str, text: str, record: dict) -> None:
+    """Prints the report and writes it to <out_dir>/<name>.md, the record to <name>.json."""
+    print(text)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(text)
+    (out / f"{name}.json").write_text(json.dumps(record, indent=1, default=str))

@@ -521,11 +521,9 @@ def _attention_output(query, k_cache, v_cache, batch, scale, k_scale=None, v_sca
     return torch.empty_like(query)  # [T, heads, d]
 
 
-def _decode_rows(num_sequences: int, pages: int, block_size: int, context_length: int, device):
-    """A DecodeBatch of `num_sequences` rows whose contexts end at `context_length` (this step's token included)."""
-    from fastgrpo.sampling.batch import DecodeBatch
-
-    batch = DecodeBatch(num_sequences, pages, block_size, device)
+def _decode_rows(batch, num_sequences: int, pages: int, context_length: int):
+    """`batch` (a DecodeBatch) with `num_sequences` rows of `pages` pages whose contexts end at `context_length` (this
+    step's token included)."""
     batch.seqs = [None] * num_sequences  # rows only: the step reads their host mirrors
     batch.context_h[:num_sequences] = context_length - 1
     batch.pages_h[:num_sequences] = pages
@@ -556,6 +554,7 @@ def trace_decode_step(model_config, *, dtype: torch.dtype = torch.bfloat16, num_
         decode       peak during the step: the forward and the sampler, the pool and weights included
         forward      peak during the forward alone
     """
+    from fastgrpo.sampling.batch import DecodeBatch
     from fastgrpo.sampling.block_pool import blocks_for
     from fastgrpo.sampling.engine import Engine
     from fastgrpo.sampling.params import SamplingParams
@@ -584,7 +583,7 @@ def trace_decode_step(model_config, *, dtype: torch.dtype = torch.bfloat16, num_
                 kv_cache = torch.zeros(engine.num_layers, 2, S * pages, block_size, engine.num_kv_heads,
                                        engine.head_dim, dtype=engine.dtype)
             result["kv_cache"] = live.current - live.base
-            batch = _decode_rows(S, pages, block_size, context_length, engine.device)
+            batch = _decode_rows(DecodeBatch(S, pages, block_size, engine.device), S, pages, context_length)
             u = torch.empty(S, dtype=torch.float64)  # each row's uniform (Outputs.uniforms)
             with live.phase("decode"), engine._sampling_mode():
                 rows = batch.inputs()
@@ -687,9 +686,7 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
                 logits = logits[torch.arange(len(lengths)).repeat_interleave(G)]  # a first fork samples G tokens
                 engine._sample(logits, params, u, None)
                 del logits
-            batch.seqs = [None] * rows  # rows only: the step reads their host mirrors
-            batch.context_h[:rows] = T + completion_length - 1
-            batch.pages_h[:rows] = width
+            _decode_rows(batch, rows, width, T + completion_length)
             u = None if params.greedy else torch.empty(rows, dtype=torch.float64)
             with live.phase("decode"):
                 logits = engine._eager_forward(batch.inputs(), batch.max_context(), None, kv_cache)
@@ -774,6 +771,7 @@ def count_decode_bytes(model_config, *, fused: bool, dtype: torch.dtype = torch.
     layer more), and the rest of the step (embedding, rotary tables, final norm, lm_head, sampler).
     """
     from fastgrpo.sampling.attention import build_paged_batch
+    from fastgrpo.sampling.batch import DecodeBatch
     from fastgrpo.sampling.block_pool import blocks_for
     from fastgrpo.sampling.engine import Engine
     from fastgrpo.sampling.params import SamplingParams
@@ -795,7 +793,7 @@ def count_decode_bytes(model_config, *, fused: bool, dtype: torch.dtype = torch.
                             fused_layers=fused)
             kv_cache = torch.zeros(layers, 2, S * pages, block_size, engine.num_kv_heads, engine.head_dim,
                                    dtype=engine.dtype)
-            rows = _decode_rows(S, pages, block_size, context_length, engine.device).inputs()
+            rows = _decode_rows(DecodeBatch(S, pages, block_size, engine.device), S, pages, context_length).inputs()
             u = None if params.greedy else torch.empty(S, dtype=torch.float64)
             with engine._sampling_mode():
                 paged_batch = build_paged_batch(kv_cache, [], [], [], [], engine.backend, 1, rows=rows,

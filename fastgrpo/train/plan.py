@@ -165,11 +165,11 @@ RMSNORM_BACKWARD_FP32 = 5
 
 def _norm_tile_rows(width: int, tokens: int) -> int:
     """Rows of one tile of a recomputed norm (recompute_norms) over `tokens` rows of `width` values: its backward
-    (and a no-grad norm) runs NORM_TILE_VALUES // width rows at a time (tiling._recomputed_norm), so its fp32 copy and
-    temporaries exist for one tile only."""
-    from fastgrpo.train.tiling import NORM_TILE_VALUES
+    (and a no-grad norm) runs tiling.norm_tile_rows(width) rows at a time (tiling._recomputed_norm), so its fp32 copy
+    and temporaries exist for one tile only."""
+    from fastgrpo.train.tiling import norm_tile_rows
 
-    return min(tokens, max(1, NORM_TILE_VALUES // width))
+    return min(tokens, norm_tile_rows(width))
 
 
 def _lora_a_input_bytes(config: TrainConfig) -> int:

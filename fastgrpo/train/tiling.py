@@ -285,10 +285,15 @@ def _is_rms_norm(module: torch.nn.Module) -> bool:
             and isinstance(getattr(module, "weight", None), torch.Tensor))
 
 
+def norm_tile_rows(width: int) -> int:
+    """Rows per tile of a recomputed norm over rows of `width` values (NORM_TILE_VALUES values a tile)."""
+    return max(1, NORM_TILE_VALUES // width)
+
+
 def _recomputed_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The norm's own forward, keeping only x (in its dtype) for the backward, which recomputes it in tiles."""
-    tile = max(1, NORM_TILE_VALUES // x.shape[-1])
-    return recomputed(Recompute(functools.partial(type(norm).forward, norm), tile, False), x, [norm.weight])
+    options = Recompute(functools.partial(type(norm).forward, norm), norm_tile_rows(x.shape[-1]), False)
+    return recomputed(options, x, [norm.weight])
 
 
 def recompute_norms(model: torch.nn.Module) -> int:

@@ -2,6 +2,7 @@
 checks that fastgrpo's fused head computes the model's own logits."""
 
 import importlib.util
+import inspect
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import constants as hub_constants
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
-from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, ModelOutput
 
 from fastgrpo.loss import head_transform
 from fastgrpo.sampling.engine import context_window
@@ -159,7 +160,9 @@ def check_head(model: PreTrainedModel) -> dict:
 def _probe_logits(model: PreTrainedModel, span: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(known logits [V] put out by the lm_head, what the model's forward returns for them [V]), fp32. The backbone
     is stubbed out (its output is what the head reads, as in completion_hidden): no layer runs, so the probe costs
-    nothing and needs none of the layers' kernels (Liger's need CUDA)."""
+    nothing and needs none of the layers' kernels (Liger's need CUDA). The stub returns the output class the
+    backbone's forward declares, holding the hidden state alone, so a forward that reads more of it (an MoE's
+    router_logits) gets None there, as from a backbone asked for nothing else."""
     backbone = getattr(model, model.base_model_prefix)
     head = model.get_output_embeddings()
     hidden = head.weight.new_zeros(1, 1, head.weight.shape[1])  # [1, 1, H]
@@ -169,8 +172,9 @@ def _probe_logits(model: PreTrainedModel, span: float) -> tuple[torch.Tensor, to
         known.append(torch.linspace(-span, span, output.shape[-1], device=output.device).to(output.dtype))
         return known[-1].expand_as(output)
 
+    output = _output_type(backbone)(last_hidden_state=hidden)  # its other fields None (no router logits, no cache)
     own_forward = backbone.__dict__.get("forward")
-    backbone.forward = lambda *args, **kwargs: BaseModelOutputWithPast(last_hidden_state=hidden)
+    backbone.forward = lambda *args, **kwargs: output
     hook = head.register_forward_hook(replace)
     try:
         returned = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=hidden.device), use_cache=False).logits
@@ -184,6 +188,16 @@ def _probe_logits(model: PreTrainedModel, span: float) -> tuple[torch.Tensor, to
         raise ValueError(f"model_name_or_path: {type(model).__name__}'s forward does not call its lm_head module, so "
                          "fastgrpo cannot check that its fused head computes the model's logits")
     return known[-1].float(), returned[0, -1].float()
+
+
+def _output_type(backbone: torch.nn.Module) -> type[ModelOutput]:
+    """The ModelOutput class the backbone's forward declares it returns (MoE backbones: MoeModelOutputWithPast, whose
+    router_logits their CausalLM's forward reads; Gemma 4's: its own, with shared_kv_states); BaseModelOutputWithPast
+    where the signature declares none."""
+    declared = inspect.signature(type(backbone).forward).return_annotation
+    if isinstance(declared, type) and issubclass(declared, ModelOutput):
+        return declared
+    return BaseModelOutputWithPast
 
 
 # Liger's layer kernels only: the head and the loss are fastgrpo's.

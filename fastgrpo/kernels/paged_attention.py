@@ -14,6 +14,13 @@ value is a bf16 value) and the scales fold into the softmax scale and the output
 
     scores_j = (q . k8_j) * (scale * k_scale_g);   out = v_scale_g * sum_j softmax(scores)_j v8_j
 
+Variants (fastgrpo.sampling.attention.Variant), each a constexpr flag so a plain model's kernel is unchanged:
+  - WINDOW > 0 (sliding window): only positions j > p_t - WINDOW are visible, and the KV loop starts at the tile
+    of the first position its first token sees: tiles wholly outside the window are neither loaded nor computed.
+  - SOFTCAP: scores_j = softcap * tanh(scores_j / softcap) (Gemma 2), before the mask.
+  - SINKS: a per-query-head logit s_h joins the denominator: out = sum_j e^{scores_j} v_j / (e^{s_h} + sum_j
+    e^{scores_j}) (gpt-oss); folded in once after the KV loop.
+
 One program handles one KV head and a tile of BLOCK_M rows, where a row is (query token, query head of the
 group): GQA heads that share a KV head share every K/V load, and decode (one token per sequence) still fills a
 tensor-core tile once GROUP * tokens >= 16.
@@ -69,7 +76,9 @@ def _paged_attention_kernel(
     tile_starts_ptr,  # [num_tiles] int32: first query token of each tile, within its sequence
     k_scale_ptr,  # [Hkv] fp32: fp8 pages hold k / k_scale (unused without KV_SCALED)
     v_scale_ptr,  # [Hkv] fp32
+    sinks_ptr,  # [Hq] fp32 sink logits (unused without SINKS)
     scale,  # fp32 softmax scale
+    softcap,  # fp32 cap on scores (unused without SOFTCAP)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -89,6 +98,9 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_SCALED: tl.constexpr,
+    WINDOW: tl.constexpr,  # 0: no sliding window
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -110,7 +122,9 @@ def _paged_attention_kernel(
 
     q_offsets = (q_start + token).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
-    qk_scale = tl.cast(scale, tl.float32) * LOG2E
+    qk_scale = tl.cast(scale, tl.float32)
+    if not SOFTCAP:  # (with a cap, scores are capped in natural units and then taken to log2 units)
+        qk_scale = qk_scale * LOG2E
     if KV_SCALED:  # powers of two: folding them in here equals scaling every key and value (bar underflow)
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
         v_scale = tl.load(v_scale_ptr + kv_head)
@@ -122,8 +136,11 @@ def _paged_attention_kernel(
 
     # Causal: this tile never looks past its last token's position.
     kv_end = context_len - q_len + tl.minimum(tile_start + TOKENS, q_len)
+    kv_first = 0
+    if WINDOW > 0:  # the tile's first token sees positions from its own position - WINDOW + 1 on
+        kv_first = tl.maximum(context_len - q_len + tile_start - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for kv_start in range(0, kv_end, BLOCK_N):
+    for kv_start in range(kv_first, kv_end, BLOCK_N):
         kv_pos = kv_start + tl.arange(0, BLOCK_N)
         kv_valid = kv_pos < kv_end
         block = tl.load(block_table + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
@@ -134,7 +151,11 @@ def _paged_attention_kernel(
 
         # -- scores, in log2 units --
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1); then log2 units
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0)) * LOG2E
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_valid[None, :]
+        if WINDOW > 0:
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, -float("inf"))
 
         # -- online softmax --
@@ -148,6 +169,12 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if SINKS:  # the sink joins the denominator only: rescale to the larger of the running max and the sink
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * LOG2E  # [BLOCK_M]
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
     if KV_SCALED:
         acc = acc * v_scale
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -179,9 +206,13 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, Hq, D]
     k_scale: torch.Tensor | None = None,  # [Hkv] fp32: fp8 caches only, which hold k / k_scale
     v_scale: torch.Tensor | None = None,  # [Hkv] fp32
+    window: int | None = None,  # sliding window: the last `window` positions, the token's own included
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq] fp32
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached keys/values (which include them). The caches
-    are in the query's dtype, or float8_e4m3fn with their per-KV-head scales (powers of two)."""
+    are in the query's dtype, or float8_e4m3fn with their per-KV-head scales (powers of two); a sliding window,
+    softcap and sinks as the module's docstring says."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -198,6 +229,9 @@ def paged_attention(
     assert block_tables.dtype == context_lens.dtype == query_starts.dtype == torch.int32
     assert query_starts.numel() == context_lens.numel() + 1 == block_tables.shape[0] + 1
     assert tile_seqs.shape == tile_starts.shape
+    assert window is None or window >= 1, window
+    if sinks is not None:
+        assert sinks.dtype == torch.float32 and sinks.shape == (num_heads,) and sinks.is_contiguous()
     if out is None:
         out = torch.empty_like(query)
     assert out.shape == query.shape and out.stride(-1) == 1
@@ -214,7 +248,9 @@ def paged_attention(
         tile_starts,
         k_scale if scaled else context_lens,  # (a placeholder pointer when unused)
         v_scale if scaled else context_lens,
+        sinks if sinks is not None else context_lens,
         scale,
+        float(softcap or 0.0),
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -235,6 +271,9 @@ def paged_attention(
         # fp32 models get fp32 products (tf32 would cost ~1e-3 relative error).
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         KV_SCALED=scaled,
+        WINDOW=window or 0,
+        SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

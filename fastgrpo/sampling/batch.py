@@ -13,6 +13,8 @@ host reads them once, when the call ends (and for a preempted completion's recom
 stop-string check).
 """
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -21,15 +23,19 @@ from fastgrpo.sampling.sequence import Sequence
 
 
 class DecodeBatch:
-    def __init__(self, capacity: int, max_pages: int, block_size: int, device: torch.device):
+    def __init__(self, capacity: int, max_pages: int, block_size: int, device: torch.device,
+                 tables: Callable[[list[int]], list[list[int]]] | None = None):
+        """`tables`: a table of logical pages as each pool's table (pages.PagePool.tables; default: one pool)."""
         self.block_size = block_size
+        self.tables = tables or (lambda logical: [logical])
         self.seqs: list[Sequence] = []  # row -> sequence; rows [0, len(self)) are live
-        self.block_tables = torch.zeros(capacity, max_pages, dtype=torch.int32, device=device)
+        num_pools = len(self.tables([]))
+        self.block_tables = torch.zeros(num_pools, capacity, max_pages, dtype=torch.int32, device=device)
         self.context = torch.zeros(capacity, dtype=torch.long, device=device)  # cached tokens before the step
         self.last = torch.zeros(capacity, dtype=torch.long, device=device)  # the token each row feeds next
         self.seq_ids = torch.zeros(capacity, dtype=torch.long, device=device)  # output-buffer row
         self.generated = torch.zeros(capacity, dtype=torch.long, device=device)  # completion tokens so far
-        self._tensors = (self.block_tables, self.context, self.last, self.seq_ids, self.generated)
+        self._tensors = (self.context, self.last, self.seq_ids, self.generated)
         self.context_h = np.zeros(capacity, dtype=np.int64)  # host mirrors
         self.pages_h = np.zeros(capacity, dtype=np.int64)
         self.generated_h = np.zeros(capacity, dtype=np.int64)
@@ -40,10 +46,11 @@ class DecodeBatch:
     def join(self, seqs: list[Sequence], last_tokens: torch.Tensor) -> None:
         """Append `seqs` (each with one uncached token, `last_tokens` [k] on the device) as rows."""
         start, end = len(self.seqs), len(self.seqs) + len(seqs)
-        width = self.block_tables.shape[1]
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
+        width = self.block_tables.shape[2]
+        tables = [[t + [0] * (width - len(t)) for t in self.tables(seq.block_table)] for seq in seqs]  # [k][pools]
         device = self.context.device
-        self.block_tables[start:end] = torch.tensor(tables, dtype=torch.int32).to(device, non_blocking=True)
+        tables = torch.tensor(tables, dtype=torch.int32).transpose(0, 1)  # [pools, k, width]
+        self.block_tables[:, start:end] = tables.to(device, non_blocking=True)
         context = [seq.num_cached for seq in seqs]
         generated = [seq.num_generated for seq in seqs]
         rows = torch.tensor([context, [seq.seq_id for seq in seqs], generated], dtype=torch.long)
@@ -67,20 +74,23 @@ class DecodeBatch:
         device = self.context.device
         index = torch.from_numpy(rows).to(device, non_blocking=True)
         column = torch.from_numpy(self.pages_h[rows]).to(device, non_blocking=True)
-        self.block_tables[index, column] = torch.tensor(pages, dtype=torch.int32).to(device, non_blocking=True)
+        pool_pages = torch.tensor(self.tables(pages), dtype=torch.int32).to(device, non_blocking=True)  # [pools, k]
+        self.block_tables[:, index, column] = pool_pages
         self.pages_h[rows] += 1
         for row, page in zip(rows.tolist(), pages, strict=True):
             self.seqs[row].block_table.append(page)
 
     def inputs(self) -> dict[str, torch.Tensor]:
-        """The rows' part of the step: input_ids, positions, slots [S] int64, context_lens [S] int32,
-        block_tables [S, max_pages] int32, all computed on the device."""
+        """The rows' part of the step: input_ids, positions [S] int64, slots [pools, S] int64, context_lens [S]
+        int32, block_tables [pools, S, max_pages] int32, all computed on the device."""
         size = len(self.seqs)
         positions = self.context[:size]
-        pages = self.block_tables[:size].gather(1, (positions // self.block_size)[:, None])[:, 0]
+        tables = self.block_tables[:, :size]
+        index = (positions // self.block_size)[None, :, None].expand(tables.shape[0], size, 1)
+        pages = tables.gather(2, index)[..., 0]  # [pools, S]
         return dict(input_ids=self.last[:size], positions=positions,
                     slots=pages.long() * self.block_size + positions % self.block_size,
-                    context_lens=(positions + 1).int(), block_tables=self.block_tables[:size])
+                    context_lens=(positions + 1).int(), block_tables=tables)
 
     def max_context(self) -> int:
         """The longest context of this step's rows (their new token included); 0 without rows."""
@@ -113,6 +123,7 @@ class DecodeBatch:
             dst, src = (torch.tensor(rows_).to(device, non_blocking=True) for rows_ in (holes, movers))
             for tensor in self._tensors:
                 tensor[dst] = tensor[src]
+            self.block_tables[:, dst] = self.block_tables[:, src]
             for mirror in (self.context_h, self.pages_h, self.generated_h):
                 mirror[holes] = mirror[movers]
             for hole, mover in zip(holes, movers, strict=True):

@@ -12,6 +12,7 @@ import torch
 
 from fastgrpo.kernels.paged_attention import Tiles
 from fastgrpo.sampling.attention import PagedBatch
+from fastgrpo.sampling.kv_cache import KVCache
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -22,7 +23,7 @@ class DecodeGraphs:
     def __init__(
         self,
         forward: Callable[[torch.Tensor, torch.Tensor, PagedBatch], torch.Tensor],  # (ids [S], positions [S], batch)
-        kv_cache: torch.Tensor,  # [layers, 2, num_blocks + 1, block_size, Hkv, D]; the last page is scratch
+        kv_cache: KVCache,  # each pool's last page is scratch
         max_batch: int,
         max_blocks_per_seq: int,
         backend: str,
@@ -30,13 +31,15 @@ class DecodeGraphs:
     ):
         device = kv_cache.device
         self.forward, self.kv_cache, self.backend, self.tiles = forward, kv_cache, backend, tiles
-        self.scratch_block = kv_cache.shape[2] - 1
-        self.scratch_slot = self.scratch_block * kv_cache.shape[3]
+        num_pools = len(kv_cache.pool_pages)
+        # [pools, 1]: each pool's scratch page (past its last) and its first slot
+        self.scratch_block = torch.tensor(kv_cache.pool_pages, dtype=torch.int32, device=device)[:, None]
+        self.scratch_slot = self.scratch_block.long() * kv_cache.block_size
         self.sizes = graph_sizes(max_batch)
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slots = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.slots = torch.zeros(num_pools, max_batch, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(num_pools, max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.context_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
         self.query_starts = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.tile_seqs = torch.arange(max_batch, dtype=torch.int32, device=device)
@@ -50,18 +53,18 @@ class DecodeGraphs:
         self,
         input_ids: torch.Tensor,  # [S] int64
         positions: torch.Tensor,  # [S] int64
-        slots: torch.Tensor,  # [S] int64
-        block_tables: torch.Tensor,  # [S, w] int32, w <= max_blocks_per_seq
+        slots: torch.Tensor,  # [pools, S] int64
+        block_tables: torch.Tensor,  # [pools, S, w] int32, w <= max_blocks_per_seq
         context_lens: torch.Tensor,  # [S] int32
     ) -> torch.Tensor | None:  # [S, V] logits; None when capture failed (run the step eagerly)
         num_seqs = input_ids.numel()
         size = next(s for s in self.sizes if s >= num_seqs)
         self.input_ids[:num_seqs] = input_ids
         self.positions[:num_seqs] = positions
-        self.slots[:num_seqs] = slots
-        self.slots[num_seqs:size] = self.scratch_slot
-        self.block_tables[:size] = self.scratch_block
-        self.block_tables[:num_seqs, : block_tables.shape[1]] = block_tables
+        self.slots[:, :num_seqs] = slots
+        self.slots[:, num_seqs:size] = self.scratch_slot
+        self.block_tables[:, :size] = self.scratch_block[:, :, None]
+        self.block_tables[:, :num_seqs, : block_tables.shape[2]] = block_tables
         self.context_lens[:num_seqs] = context_lens
         self.context_lens[num_seqs:size] = 1
         if size not in self.graphs:
@@ -75,19 +78,22 @@ class DecodeGraphs:
         return self.logits[size][:num_seqs]
 
     def _capture(self, size: int) -> None:
+        pools = self.slots.shape[0]
         batch = PagedBatch(
             kv_cache=self.kv_cache,
-            slot_mapping=self.slots[:size],
-            block_tables=self.block_tables[:size],
+            slot_mapping=self.slots[0, :size],
+            block_tables=self.block_tables[0, :size],
             context_lens=self.context_lens[:size],
             query_starts=self.query_starts[: size + 1],
             context_starts=self.query_starts[: size + 1],  # unused by decode kernels
             max_query_len=1,
-            max_context_len=self.block_tables.shape[1] * self.kv_cache.shape[3],
+            max_context_len=self.block_tables.shape[2] * self.kv_cache.block_size,
             backend=self.backend,
             tile_seqs=self.tile_seqs[:size],
             tile_starts=self.tile_starts[:size],
             tiles=self.tiles,
+            pool_slots=self.slots[:, :size] if pools > 1 else None,
+            pool_tables=self.block_tables[:, :size] if pools > 1 else None,
         )
 
         def forward() -> torch.Tensor:

@@ -29,11 +29,21 @@ import torch
 
 from fastgrpo.kernels.sampling import fused_sample
 from fastgrpo.models import find_hf_model, stop_token_ids
-from fastgrpo.sampling.attention import ATTENTION_NAME, TRITON_BACKENDS, build_paged_batch, paged_batch, triton_tiles
+from fastgrpo.sampling.attention import (
+    ATTENTION_NAME,
+    FEATURES,
+    TRITON_BACKENDS,
+    build_paged_batch,
+    paged_batch,
+    triton_tiles,
+)
 from fastgrpo.sampling.batch import DecodeBatch, Outputs
-from fastgrpo.sampling.block_pool import BlockPool, blocks_for, least_pages, most_pages
+from fastgrpo.sampling.block_pool import blocks_for, least_pages, most_pages
 from fastgrpo.sampling.cuda_graphs import DecodeGraphs
 from fastgrpo.sampling.decode_layers import FusedDecoder, kv_scales, kv_scales_unsupported, unsupported
+from fastgrpo.sampling.kv_cache import KVCache
+from fastgrpo.sampling.layers import probe
+from fastgrpo.sampling.pages import PagePool, window_pool_pages
 from fastgrpo.sampling.params import EngineConfig, SamplingParams, check_int
 from fastgrpo.sampling.sampler import SeenTokens, logit_floor, penalized, sample
 from fastgrpo.sampling.scheduler import Scheduler, Step
@@ -70,7 +80,9 @@ class Completion:
 class GenerateStats:
     """What the last `generate` call did."""
 
-    num_blocks: int = 0
+    num_blocks: int = 0  # logical pages (the full-attention layers')
+    window_blocks: tuple[int, ...] = ()  # pages of each sliding window's pool
+    peak_pages: tuple[int, ...] = ()  # the most pages held at once: logical, then each window's
     num_steps: int = 0
     num_forward_tokens: int = 0  # tokens fed through the model, all steps
     num_generated_tokens: int = 0
@@ -98,29 +110,34 @@ class HostBatch:
 
     input_ids: list[int]  # [T]
     positions: list[int]  # [T]
-    slots: list[int]  # [T]: cache slot (block * block_size + offset) of each new token
+    slots: list[list[int]]  # [pools, T]: cache slot (block * block_size + offset) of each new token in each pool
     query_lens: list[int]  # [S]: new tokens per sequence
     context_lens: list[int]  # [S]: cached tokens per sequence, this step's included
-    block_tables: list[list[int]]  # [S, width], padded with page 0
+    block_tables: list[list[list[int]]]  # [pools, S, width], padded with page 0
     last_tokens: list[int]  # [rows that sample]: packed index of each sampling sequence's last new token
     sample_counts: list[int]  # [rows that sample]: tokens each samples (n for a first fork)
 
 
-def host_batch(step: Step, block_size: int, width: int) -> HostBatch:
-    """Pack each host sequence's new tokens (its next `chunk` positions) one after another."""
-    input_ids, positions, slots, last_tokens, counts, num_tokens = [], [], [], [], [], 0
-    for seq, chunk, samples in zip(step.seqs, step.chunks, step.num_samples, strict=True):
+def host_batch(step: Step, block_size: int, width: int, tables=lambda logical: [logical]) -> HostBatch:
+    """Pack each host sequence's new tokens (its next `chunk` positions) one after another; `tables` gives a table of
+    logical pages as each pool's table (pages.PagePool.tables)."""
+    input_ids, positions, last_tokens, counts, num_tokens = [], [], [], [], 0
+    pool_tables = [tables(seq.block_table) for seq in step.seqs]  # [S][pools]
+    num_pools = len(tables([]))
+    slots, padded = [[] for _ in range(num_pools)], [[] for _ in range(num_pools)]
+    for seq, chunk, samples, own in zip(step.seqs, step.chunks, step.num_samples, pool_tables, strict=True):
         start, end = seq.num_cached, seq.num_cached + chunk
         input_ids += seq.token_ids[start:end]
         positions += range(start, end)
-        slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        for pool, table in enumerate(own):
+            slots[pool] += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            padded[pool].append(table + [0] * (width - len(table)))
         num_tokens += chunk
         if samples:
             last_tokens.append(num_tokens - 1)
             counts.append(samples)
     context_lens = [seq.num_cached + chunk for seq, chunk in zip(step.seqs, step.chunks, strict=True)]
-    tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in step.seqs]
-    return HostBatch(input_ids, positions, slots, list(step.chunks), context_lens, tables, last_tokens, counts)
+    return HostBatch(input_ids, positions, slots, list(step.chunks), context_lens, padded, last_tokens, counts)
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -141,6 +158,15 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
+def _largest(ok: Callable[[int], bool], most: int) -> int:
+    """The largest b in [0, most] with ok(b) (ok falls from True to False as b grows); -1 if none."""
+    low, high = -1, most
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if ok(mid) else (low, mid - 1)
+    return low
+
+
 def _flash_attn_installed() -> bool:
     try:
         import flash_attn  # noqa: F401
@@ -157,14 +183,11 @@ class Engine:
         self.hf_model = find_hf_model(model)
         text_config = self.hf_model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
-        self.num_layers = text_config.num_hidden_layers
-        self.num_heads = text_config.num_attention_heads
-        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.num_heads
         self.max_positions = context_window(self.hf_model.config)
-        for name, module in self.hf_model.named_modules():
-            if getattr(module, "sliding_window", None):
-                raise ValueError(f"{name} uses sliding-window attention, which the paged engine does not implement")
+        self.layer_model = probe(self.hf_model)  # what each attention layer needs (layers.py); refuses in one line
+        first = self.layer_model.layers[0]
+        self.num_layers = len(self.layer_model.layers)  # attention layers (their slots in the cache)
+        self.num_heads, self.num_kv_heads, self.head_dim = first.query_heads, first.kv_heads, first.key_dim
         self.device = self.hf_model.get_input_embeddings().weight.device
         self.dtype = self.hf_model.get_input_embeddings().weight.dtype
         self.fp8 = self.config.kv_cache_dtype == "fp8"
@@ -183,11 +206,18 @@ class Engine:
     def _resolve_backend(self) -> str:
         choice, cuda = self.config.attention, self.device.type == "cuda"
         half = self.dtype in (torch.float16, torch.bfloat16)
+        needs = self.layer_model.features()
         if choice == "auto":
             if not cuda:
                 return "torch"
             flash = half and not self.fp8 and self.config.block_size % 256 == 0  # flash-attn reads no fp8 pages
-            return "flash" if flash and _flash_attn_installed() else "triton"
+            for backend in ("flash", "triton", "torch") if flash and _flash_attn_installed() else ("triton", "torch"):
+                if needs <= FEATURES[backend]:
+                    return backend
+        missing = sorted(needs - FEATURES.get(choice, needs))
+        if missing:
+            raise ValueError(f"{type(self.hf_model).__name__} needs attention with {', '.join(missing)}, which "
+                             f"attention={choice!r} does not compute; use attention='torch' or 'auto'")
         if choice == "flash" and not (cuda and half and _flash_attn_installed()):
             raise ValueError("attention='flash' needs flash-attn installed, a CUDA model and fp16/bf16 weights")
         if choice == "triton" and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -252,11 +282,11 @@ class Engine:
         start = time.perf_counter()
         groups = [Group(prompt=Sequence(list(prompt), len(prompt)), n=n, index=i)
                   for i, prompt in enumerate(prompt_token_ids)]  # fmt: skip
-        num_blocks = self._num_blocks(prompt_token_ids, n, params)
-        pool = BlockPool(num_blocks, self.config.block_size)
+        num_blocks, window_blocks = self._num_blocks(prompt_token_ids, n, params)
+        pool = PagePool(num_blocks, self.config.block_size, window_blocks)
         max_blocks_per_seq = blocks_for(max(map(len, prompt_token_ids)) + params.max_new_tokens, pool.block_size)
         max_rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        batch = DecodeBatch(max(max_rows, n), max_blocks_per_seq, pool.block_size, self.device)
+        batch = DecodeBatch(max(max_rows, n), max_blocks_per_seq, pool.block_size, self.device, pool.tables)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
         streams = None if group_ids is None else (torch.tensor(group_ids)[:, None] * n + torch.arange(n)).view(-1)
         columns = None if first_columns is None else torch.tensor(first_columns).repeat_interleave(n)
@@ -267,7 +297,7 @@ class Engine:
                               admit=admit)  # fmt: skip
         finish = self._finish_check(params, outputs)
         seen = SeenTokens(prompt_token_ids, n, outputs.tokens) if params.repetition_penalty != 1 else None
-        self.stats = GenerateStats(num_blocks=num_blocks)
+        self.stats = GenerateStats(num_blocks=num_blocks, window_blocks=tuple(window_blocks.values()))
         if self.decoder is not None:  # the model may have changed since: LoRA wrapped in place, hooks, `.to()`
             reason = unsupported(self.hf_model)
             if reason is None:
@@ -278,11 +308,9 @@ class Engine:
             if self.fp8:  # from this call's weights (the model trains between calls)
                 self._check_fp8()
                 self._kv_scales = kv_scales(self.hf_model).to(self.device)
-            # One page past the pool: scratch for the padding rows of CUDA graphs.
-            kv_cache = torch.zeros(
-                self.num_layers, 2, num_blocks + 1, pool.block_size, self.num_kv_heads, self.head_dim,
-                dtype=self.kv_dtype, device=self.device,
-            )  # fmt: skip
+            # One page past each pool: scratch for the padding rows of CUDA graphs and out-of-window table entries.
+            kv_cache = KVCache(self.layer_model, [num_blocks, *window_blocks.values()], pool.block_size,
+                               self.kv_dtype, self.device)  # fmt: skip
             graphs = self._decode_graphs(kv_cache, max_blocks_per_seq)
             while True:
                 if group_done is not None and scheduler.done_groups:  # (before `done`: it may grant more starts)
@@ -298,19 +326,20 @@ class Engine:
                     self._end_turns(scheduler, outputs, turn_end)
                     continue
                 assert step.num_rows or step.seqs, "scheduler made no progress"
-                for src, dst in scheduler.take_copies():
-                    kv_cache[:, :, dst] = kv_cache[:, :, src]
+                for pairs in scheduler.take_copies():
+                    kv_cache.copy(pairs)
                 targets = scheduler.sample_targets(step)
                 u = None if outputs.uniforms is None else outputs.uniforms[targets.seq_ids, targets.columns]
                 rows_seen = None if seen is None else seen(*targets)
                 tokens, logprobs = self._run(step, batch, kv_cache, params, u, graphs, rows_seen)
                 scheduler.update(step, tokens, logprobs, targets, finish)
+                self._count_pages(pool)
                 self.stats.num_steps += 1
                 self.stats.num_forward_tokens += step.num_tokens
             del kv_cache, graphs
             self._kv_scales = None
         self.stats.num_preemptions = scheduler.num_preemptions
-        self.stats.leaked_blocks = num_blocks - pool.num_free
+        self.stats.leaked_blocks = pool.num_leaked
         self.stats.prompt_tokens_computed = tuple(group.prompt_tokens_computed for group in groups)
         self.stats.num_recomputed_tokens = scheduler.num_recomputed
         self.stats.num_continuation_tokens = scheduler.num_continued
@@ -358,33 +387,60 @@ class Engine:
                     f"reach past the model's context window of {self.max_positions} positions"
                 )
 
-    def _num_blocks(self, prompts: list[list[int]], n: int, params: SamplingParams) -> int:
-        """Pages for this call: as configured, or a fraction of free memory capped at what the call can use (every
-        group at full length at once). At least one prompt's pages and one completion's: the scheduler runs the
-        completions of a group one by one when that is all there is."""
+    def _num_blocks(self, prompts: list[list[int]], n: int, params: SamplingParams) -> tuple[int, dict[int, int]]:
+        """Pages for this call: (logical pages, {window: pages of its pool}). The logical pool is as configured, or a
+        fraction of free memory capped at what the call can use (every group at full length at once); at least one
+        prompt's pages and one completion's: the scheduler runs the completions of a group one by one when that is
+        all there is. A window's pool holds min(logical pages, pages.window_pool_pages): a window's worth for every
+        place under the row limit (sliding layers never hold more)."""
         block_size = self.config.block_size
         sizes = [(len(p), n, params.max_new_tokens, block_size) for p in prompts]
         least = max(least_pages(*size) for size in sizes)
         itemsize = torch.empty((), dtype=self.kv_dtype).element_size()  # (1 byte a value with fp8 pages)
-        bytes_per_block = 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+        page_bytes = self._page_bytes(itemsize)  # [pools]
+        caps = {w: window_pool_pages(w, block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+                for w in self.layer_model.windows}  # fmt: skip
+
+        def pools(num_blocks: int) -> dict[int, int]:
+            return {w: min(num_blocks, cap) for w, cap in caps.items()}
+
+        def nbytes(num_blocks: int) -> int:  # with each pool's scratch page
+            sizes_ = [num_blocks, *pools(num_blocks).values()]
+            return sum((size + 1) * b for size, b in zip(sizes_, page_bytes, strict=True))
+
         available = available_memory(self.device)
+        most = sum(most_pages(*size) for size in sizes)
         if self.config.num_blocks is not None:
             num_blocks = self.config.num_blocks
-            if available is not None and (num_blocks + 1) * bytes_per_block > available:  # before the page lists
-                raise ValueError(f"num_blocks={num_blocks} pages of {bytes_per_block} bytes take more than the "
-                                 f"{available / 2**30:.1f} GiB available on {self.device}; at most "
-                                 f"{available // bytes_per_block - 1}")
+            if available is not None and nbytes(num_blocks) > available:  # before the page lists
+                fit = _largest(lambda b: nbytes(b) <= available, most=num_blocks)
+                raise ValueError(f"num_blocks={num_blocks} pages of {sum(page_bytes)} bytes take more than the "
+                                 f"{available / 2**30:.1f} GiB available on {self.device}; at most {fit}")
         elif available is None:
             raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass num_blocks")
         else:
-            most = sum(most_pages(*size) for size in sizes)
-            num_blocks = min(int(available * self.config.memory_fraction // bytes_per_block) - 1, most)
+            budget = int(available * self.config.memory_fraction)
+            num_blocks = _largest(lambda b: nbytes(b) <= budget, most=most)
         if num_blocks < least:
             raise ValueError(
                 f"num_blocks={num_blocks} pages of {block_size} tokens cannot hold a prompt and one completion "
                 f"(needs {least}); raise num_blocks or memory_fraction, or lower max_new_tokens"
             )
-        return num_blocks
+        return num_blocks, pools(num_blocks)
+
+    def _page_bytes(self, itemsize: int) -> list[int]:
+        """Bytes of one page in each pool (the logical pool first): block_size positions of every layer that keeps
+        its keys and values there."""
+        out = [0] * (1 + len(self.layer_model.windows))
+        for layer in self.layer_model.layers:
+            if layer.owns_pages:
+                out[self.layer_model.pool_of(layer.slot)] += (self.config.block_size * layer.kv_heads
+                                                              * (layer.key_dim + layer.value_dim) * itemsize)
+        return out
+
+    def _count_pages(self, pool: PagePool) -> None:
+        held = [pool.num_blocks - len(pool.free_ids), *(w.pool.num_blocks - w.pool.num_free for w in pool.windows)]
+        self.stats.peak_pages = tuple(max(a, b) for a, b in zip(self.stats.peak_pages or held, held, strict=True))
 
     def _finish_check(self, params: SamplingParams, outputs: Outputs) -> "FinishCheck":
         stop_ids = set(stop_token_ids(self.hf_model) if params.stop_token_ids is None else params.stop_token_ids)
@@ -427,7 +483,8 @@ class Engine:
         """Forward the step and sample with the rows' uniforms `u` [R] (None: greedy) and tokens so far `seen`
         [R, L] (repetition_penalty; else None): (tokens [R], logprobs [R]) on the device, the decode rows' first."""
         rows = batch.inputs() if step.num_rows else None
-        host = host_batch(step, self.config.block_size, batch.block_tables.shape[1]) if step.seqs else None
+        width = batch.block_tables.shape[2]
+        host = host_batch(step, self.config.block_size, width, batch.tables) if step.seqs else None
         logits = None
         if host is None and graphs is not None and not graphs.failed and step.num_rows <= self.config.max_num_seqs:
             logits = graphs(rows["input_ids"], rows["positions"], rows["slots"], rows["block_tables"],
@@ -453,8 +510,12 @@ class Engine:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def _eager_forward(self, rows: dict | None, rows_max_context: int, host: HostBatch | None,
-                       kv_cache: torch.Tensor) -> torch.Tensor:  # [rows that sample, V]
-        group = self.num_heads // self.num_kv_heads
+                       kv_cache: KVCache | torch.Tensor) -> torch.Tensor:  # [rows that sample, V]
+        if isinstance(kv_cache, torch.Tensor):  # one [layers, 2, pages + 1, block_size, Hkv, D] tensor (the tracer's)
+            kv_cache = KVCache.from_tensor(kv_cache, self.layer_model)
+            if host is not None:
+                host = replace(host, slots=[host.slots[0]], block_tables=[host.block_tables[0]])
+        group = max(layer.query_heads // layer.kv_heads for layer in self.layer_model.layers)
         lists = (host.slots, host.block_tables, host.query_lens, host.context_lens) if host else ([], [], [], [])
         paged = build_paged_batch(kv_cache, *lists, self.backend, group, rows=rows, rows_max_context=rows_max_context,
                                   query_dtype=self.dtype)  # fmt: skip

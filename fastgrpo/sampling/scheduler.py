@@ -52,7 +52,8 @@ import numpy as np
 import torch
 
 from fastgrpo.sampling.batch import DecodeBatch, Outputs
-from fastgrpo.sampling.block_pool import BlockPool, blocks_for, most_pages
+from fastgrpo.sampling.block_pool import blocks_for, most_pages
+from fastgrpo.sampling.pages import PagePool
 from fastgrpo.sampling.sequence import Group, Sequence
 
 
@@ -97,7 +98,7 @@ class Scheduler:
     def __init__(
         self,
         groups: list[Group],
-        pool: BlockPool,
+        pool: PagePool,
         batch: DecodeBatch,
         outputs: Outputs,
         max_num_seqs: int,
@@ -117,7 +118,7 @@ class Scheduler:
         self.host_groups: list[Group] = []  # the running groups with host work (group.pending), oldest first
         self.num_seqs = 0  # places under the row limit: prompts being prefilled, children holding pages
         self.reserved = 0  # the most pages the running groups may hold (_reserve): over the pool, they may run dry
-        self.copies: list[tuple[int, int]] = []  # (src, dst) pages to copy before the next forward
+        self.copies: list[list[tuple[int, int]]] = []  # per copy, (src, dst) in each pool, before the next forward
         self.multi_turn = multi_turn
         self.parked: list[Sequence] = []  # turns ended, waiting for `resume`, in the order they ended
         self.pool_ran_dry = False  # the last `schedule` preempted (the engine's cue to end parked turns)
@@ -143,8 +144,7 @@ class Scheduler:
         for group in self.running:
             self.batch.remove([seq.row for seq in group.children if seq.row is not None])
             for seq in [group.prompt, *group.children]:
-                self.pool.free(seq.block_table)
-                seq.block_table = []
+                self.pool.release(seq)
         self.running, self.host_groups, self.parked, self.copies = [], [], [], []
         self.waiting.clear()
         self.num_seqs = self.reserved = 0
@@ -320,13 +320,14 @@ class Scheduler:
         prompt, block_size = group.prompt, self.pool.block_size
         full = prompt.prompt_len // block_size
         if group.n == 1:
-            table, prompt.block_table = prompt.block_table, []
+            table, starts = prompt.block_table, prompt.window_from
+            prompt.block_table, prompt.window_from = [], []
         else:
-            table = self.pool.share(prompt.block_table[:full])
+            table, starts = self.pool.share_prefix(prompt, full)
         own = self.pool.allocate(blocks_for(end, block_size) - len(table))
         if group.n > 1 and len(prompt.block_table) > full:
-            self.copies.append((prompt.block_table[full], own[0]))
-        seq.block_table = table + own
+            self.copies.append(self.pool.copy_pairs(prompt.block_table[full], own[0]))
+        seq.block_table, seq.window_from = table + own, starts
         seq.num_cached = prompt.prompt_len
         seq.num_computed = max(seq.num_computed, prompt.prompt_len)
         self.num_seqs += 1
@@ -339,8 +340,7 @@ class Scheduler:
         assert not step.seqs
         self.num_preemptions += 1
         self.pool_ran_dry = True
-        self.pool.free(seq.block_table)
-        seq.block_table = []
+        self.pool.release(seq)
         if seq is group.prompt:
             self._requeue(group)
             return
@@ -410,6 +410,7 @@ class Scheduler:
                 self.num_continued += chunk - recomputed
             seq.num_computed = max(seq.num_computed, end)
             seq.num_cached = end
+            self.pool.trim(seq, end)
             if seq is group.prompt and seq.num_uncached == 0:
                 self._fork(group)
                 if samples:
@@ -422,6 +423,7 @@ class Scheduler:
         self.outputs.write(targets.seq_ids, targets.columns, tokens, logprobs)
         reasons = finish(tokens, *targets)  # {index in tokens: finish reason}
         self.batch.advance(tokens[:rows])
+        self.pool.trim_rows(self.batch.seqs[:rows], self.batch.context_h[:rows])
         for seq in sampled:
             seq.num_generated += 1
 
@@ -494,8 +496,7 @@ class Scheduler:
         seq.finish_reason = reason
         if seq.block_table:
             self.num_seqs -= 1
-        self.pool.free(seq.block_table)
-        seq.block_table = []
+        self.pool.release(seq)
         group = self.groups[seq.seq_id // self.n]
         if not group.forked and group in self.waiting:  # parked in a group preempted whole
             group.num_finished += 1
@@ -514,9 +515,8 @@ class Scheduler:
             self.host_groups.remove(group)
         if not group.forked:
             self.num_seqs -= 1  # the prompt, being prefilled, held a place
-        self.pool.free(group.prompt.block_table)
-        group.prompt.block_table = []
+        self.pool.release(group.prompt)
 
-    def take_copies(self) -> list[tuple[int, int]]:
+    def take_copies(self) -> list[list[tuple[int, int]]]:
         copies, self.copies = self.copies, []
         return copies

@@ -31,6 +31,7 @@ class Sequence:
     finish_reason: str | None = None
     parked: bool = False  # its turn ended: it waits for the caller's tokens
     appended: list[tuple[int, int]] = field(default_factory=list)  # (column, count) of each continuation's tokens
+    window_from: list[int] = field(default_factory=list)  # per window pool, its first live page (pages.PagePool)
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,137 @@
+"""The KV pages of one `generate` call: a logical pool, and a smaller pool per sliding window.
+
+Every sequence holds a table of logical pages (block_pool.BlockPool), one per `block_size` positions: the scheduler
+counts, shares, copies and frees these, as it always has. Full-attention layers store their keys and values in the
+logical pages themselves. Sliding-window layers (Gemma 2/3/4's local layers, gpt-oss's even layers, Mistral) only
+ever read the last `window` positions, so each window size gets a pool of its own (a `WindowPages`): a logical page
+has a window page while some holder's window still reaches it, and goes back to that pool when the last one's window
+has moved past it. A sequence at position c reads positions (c - window, c], so it holds at most
+ceil((window - 1) / block_size) + 1 window pages, whatever its length.
+
+A logical page maps to at most one window page per window, so sharing a logical page (a prompt's pages, forked to
+its G completions) shares its window pages too, and a copy of the prompt's partial page copies both. Each holder
+keeps references on the window pages of its live range only, `seq.window_from[g]` up to the end of its table;
+`trim` moves that start forward as the sequence advances.
+
+Allocation takes the same count from every pool (a new logical page is in every window at first), so the scheduler's
+page arithmetic is unchanged: `num_free` is the least any pool has free.
+"""
+
+import numpy as np
+
+from fastgrpo.sampling.block_pool import BlockPool, blocks_for
+from fastgrpo.sampling.sequence import Sequence
+
+NO_PAGE = -1
+
+
+def first_live_page(num_cached: int, window: int, block_size: int) -> int:
+    """The first page a sequence with `num_cached` tokens cached still reads: its next token, at position
+    num_cached, attends to the positions num_cached - window + 1 .. num_cached."""
+    return max(0, num_cached - window + 1) // block_size
+
+
+def window_pool_pages(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Pages of a window pool that lets every place under the row limit (and one more, a forked prompt) hold a
+    whole window, plus a step's new tokens: ceil((window - 1) / block_size) + 2 pages a sequence (a window that
+    straddles pages, and the page its next token starts), and one step's worth of prefill."""
+    per_seq = blocks_for(window - 1, block_size) + 2
+    return (max_num_seqs + 1) * per_seq + blocks_for(max_num_batched_tokens, block_size)
+
+
+class WindowPages:
+    """The pages of one window size: a BlockPool, and which window page each logical page has (or NO_PAGE)."""
+
+    def __init__(self, window: int, num_blocks: int, block_size: int, num_logical: int):
+        self.window = window
+        self.pool = BlockPool(num_blocks, block_size)
+        self.page_of = np.full(num_logical, NO_PAGE, dtype=np.int64)  # logical page -> window page
+
+    def first_live(self, num_cached: int) -> int:
+        return first_live_page(num_cached, self.window, self.pool.block_size)
+
+    def drop(self, logical: list[int]) -> None:
+        """One holder's references on the window pages of these logical pages go."""
+        for page in logical:
+            own = int(self.page_of[page])
+            self.pool.free([own])
+            if self.pool.ref_counts[own] == 0:
+                self.page_of[page] = NO_PAGE
+
+
+class PagePool(BlockPool):
+    """The logical pool (BlockPool's bookkeeping, the pages of full-attention layers) and one WindowPages per
+    sliding window. With no windows it is a BlockPool."""
+
+    def __init__(self, num_blocks: int, block_size: int, windows: dict[int, int] | None = None):
+        """`windows`: {window: pages of its pool}."""
+        super().__init__(num_blocks, block_size)
+        self.windows = [WindowPages(w, pages, block_size, num_blocks) for w, pages in (windows or {}).items()]
+
+    @property
+    def num_free(self) -> int:
+        return min([len(self.free_ids), *(w.pool.num_free for w in self.windows)])
+
+    @property
+    def num_leaked(self) -> int:
+        """Pages still referenced, all pools (0 once every sequence has released its pages)."""
+        return self.num_blocks - len(self.free_ids) + sum(w.pool.num_blocks - w.pool.num_free for w in self.windows)
+
+    def allocate(self, count: int) -> list[int]:
+        ids = super().allocate(count)
+        for window in self.windows:
+            window.page_of[ids] = window.pool.allocate(count)
+        return ids
+
+    def share_prefix(self, holder: Sequence, count: int) -> tuple[list[int], list[int]]:
+        """A new holder's share of `holder`'s first `count` pages: (logical ids, window starts). The new holder reads
+        what `holder` reads (they have the same tokens cached), so it takes references on the same live window pages."""
+        ids = self.share(holder.block_table[:count])
+        starts = self.window_starts(holder)
+        for window, start in zip(self.windows, starts, strict=True):
+            window.pool.share([int(window.page_of[page]) for page in ids[start:]])
+        return ids, starts
+
+    def window_starts(self, seq: Sequence) -> list[int]:
+        return list(seq.window_from) or [0] * len(self.windows)
+
+    def release(self, seq: Sequence) -> None:
+        """All of `seq`'s pages go: its logical pages, and its references on its live window pages."""
+        for window, start in zip(self.windows, self.window_starts(seq), strict=True):
+            window.drop(seq.block_table[start:])
+        self.free(seq.block_table)
+        seq.block_table = []
+        seq.window_from = []
+
+    def trim(self, seq: Sequence, num_cached: int) -> None:
+        """`seq` has `num_cached` tokens cached: its references on window pages it will never read again go."""
+        if not self.windows:
+            return
+        starts = self.window_starts(seq)
+        for g, window in enumerate(self.windows):
+            live = min(window.first_live(num_cached), len(seq.block_table))
+            if live > starts[g]:
+                window.drop(seq.block_table[starts[g] : live])
+                starts[g] = live
+        seq.window_from = starts
+
+    def trim_rows(self, seqs: list[Sequence], cached: np.ndarray) -> None:
+        """Decode rows `seqs` now have `cached` [rows] tokens cached, one more than before: trim the rows whose window
+        start moved (at most one page each)."""
+        for window in self.windows:
+            moved = cached - window.window + 1
+            for row in np.flatnonzero((moved > 0) & (moved % self.block_size == 0)).tolist():
+                self.trim(seqs[row], int(cached[row]))
+
+    def tables(self, logical: list[int]) -> list[list[int]]:
+        """A table of logical pages as each pool's table: the logical ids, then per window its pages (a page no
+        longer in the window reads the scratch page, past the pool's last: attention never reads it)."""
+        out = [logical]
+        for window in self.windows:
+            pages = window.page_of[logical] if logical else np.zeros(0, dtype=np.int64)
+            out.append(np.where(pages == NO_PAGE, window.pool.num_blocks, pages).tolist())
+        return out
+
+    def copy_pairs(self, src: int, dst: int) -> list[tuple[int, int]]:
+        """(src, dst) per pool of a copy of logical page src into dst (a prompt's partial page, which is live)."""
+        return [(src, dst)] + [(int(w.page_of[src]), int(w.page_of[dst])) for w in self.windows]

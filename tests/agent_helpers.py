@@ -4,8 +4,36 @@
 "length") with each turn's tokens taken from a script instead of a model, so that tests choose what the policy
 "writes" (tool calls that succeed, fail, time out, overflow) and compare the rest with TRL."""
 
+import json
+from pathlib import Path
+
+import torch
+from tools_helpers import QWEN_STYLE_TEMPLATE, byte_tokenizer
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
 from fastgrpo.sampling import Completion, GenerateStats
 from fastgrpo.sampling.turns import Turn
+
+
+def build_agent_assets(root: Path) -> dict:
+    """A tiny random Qwen2 (context window 4096) with a byte-level tokenizer and the Qwen2.5-style tool template,
+    and conversational arithmetic data (4 train and 4 test rows): {"model": folder, "data": folder}."""
+    tokenizer = byte_tokenizer(QWEN_STYLE_TEMPLATE)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    ))  # fmt: skip
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    (root / "data").mkdir()
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
+            for a, b in [(3, 4), (10, 5), (7, 7), (1, 2)]]
+    for split in ("train", "test"):
+        (root / "data" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"model": str(root / "model"), "data": str(root / "data")}
 
 
 class ScriptedEngine:

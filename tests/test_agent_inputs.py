@@ -12,11 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from agent_helpers import ScriptedEngine
+from agent_helpers import ScriptedEngine, build_agent_assets
 from cli_helpers import untouched
 from tools_helpers import QWEN_STYLE_TEMPLATE, byte_tokenizer
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from fastgrpo.cli import main
 from fastgrpo.train import TrainConfig, Trainer
@@ -176,27 +174,13 @@ def agent_assets(tmp_path_factory) -> dict:
     """{"model": a tiny Qwen2 with the tool template, "data": 4 train and 4 test rows, "functions": FUNCTIONS's file,
     "other": a second file with a tool named add}."""
     root = tmp_path_factory.mktemp("agent_assets")
-    tokenizer = byte_tokenizer(QWEN_STYLE_TEMPLATE)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    ))  # fmt: skip
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    (root / "data").mkdir()
-    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
-            for a, b in [(3, 4), (10, 5), (7, 7), (1, 2)]]
-    for split in ("train", "test"):
-        (root / "data" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assets = build_agent_assets(root)
     (root / "agent_inputs_functions.py").write_text(FUNCTIONS)
     (root / "agent_inputs_other.py").write_text(FUNCTIONS.split("\n\n\ndef no_hint")[0])  # imports and add
     for path in ("agent_inputs_functions.py", "agent_inputs_other.py"):  # loaded (and byte-compiled) once, here
         load_function(f"{root / path}:add")
-    return {"model": str(root / "model"), "data": str(root / "data"),
-            "functions": str(root / "agent_inputs_functions.py"), "other": str(root / "agent_inputs_other.py")}
+    return {**assets, "functions": str(root / "agent_inputs_functions.py"),
+            "other": str(root / "agent_inputs_other.py")}
 
 
 def train_args(assets: dict, run: Path) -> list[str]:
@@ -360,7 +344,8 @@ OPTIONS = [
      "tool_calls, then a tool message); use a model whose chat template supports tools, or give one with "
      "--chat-template-path"),
     ("template_without_tools", ["--chat-template-path", "no_tools.jinja", "--tools", ":add"],
-     "--tools: the chat template cannot render a tool-calling conversation"),
+     "--tools: the chat template of --chat-template-path {in}/no_tools.jinja cannot render a tool-calling "
+     "conversation (user, then an assistant turn with tool_calls, then a tool message); give one that does"),
     ("missing_template_file", ["--chat-template-path", "nowhere.jinja", "--tools", ":add"],
      "--chat-template-path: {in}/nowhere.jinja is not a file (a Jinja chat template)"),
     ("prompt_cut_through_the_tools", ["--max-prompt-length", "20", "--tools", ":add"],

@@ -660,8 +660,8 @@ def test_bad_environments_are_one_line(factory, error):
 
 def test_unknown_environment_name_is_one_line():
     environments = Environments({"counter": Counter})
-    with pytest.raises(ValueError, match=r"^environment_factory: row 1 has environment 'chess', which is not one "
-                                         r"of \['counter'\]"):
+    with pytest.raises(ValueError, match=r"^environment_factory: the row's environment column is 'chess', which is "
+                                         r"not one of \['counter'\]"):  # (data.prepare names the file and row)
         environments.draw([{"environment": "counter"}, {"environment": "chess"}])
 
 
@@ -702,7 +702,7 @@ def test_rollout_output_checked_and_normalized():
     (rollout(completion_ids=[[7, 8, 99], [7]]), r"completion_ids\[0\]\[2\] is 99, outside the vocabulary \[0, 10\)"),
     (rollout(completion_ids="abc"), r"completion_ids must be a list with one entry per sample, got str"),
     (rollout(logprobs=[[-0.1, -2.0], [-0.5]]), r"logprobs\[0\] has 2 values but completion_ids\[0\] has 3 tokens"),
-    (rollout(logprobs=[[-0.1, "x", -2.0], [-0.5]]), r"logprobs\[0\]\[1\] is 'x', not a float logprob"),
+    (rollout(logprobs=[[-0.1, "x", -2.0], [-0.5]]), r"logprobs\[0\]\[1\] is 'x', not a finite logprob"),
     (rollout(env_mask=[[1, 2, 1], [1]]), r"env_mask\[0\]\[1\] is 2, not 0 or 1"),
     (rollout(env_mask=[[1], [1]]), r"env_mask\[0\] has 1 values but completion_ids\[0\] has 3 tokens"),
     (rollout(judge=["a"]), r"the extra field 'judge' is a list of 1 values but the step has 2 samples"),

@@ -18,15 +18,26 @@ Where TRL parses a turn that ran out of room with a complete call in it, it runs
 (no room): so does this, so environments see the same calls and the failure counts agree.
 """
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fastgrpo.sampling import Engine, SamplingParams
+from fastgrpo.sampling.block_pool import least_pages
 from fastgrpo.sampling.turns import Turn
 from fastgrpo.train.config import TrainConfig
 from fastgrpo.train.data import prompt_token_ids
-from fastgrpo.train.tools import Environments, ToolChat, ToolCounts, ToolRunner, load_tools, tool_calls, toolbox
+from fastgrpo.train.tools import (
+    Environments,
+    RolloutError,
+    ToolChat,
+    ToolCounts,
+    ToolRunner,
+    load_tools,
+    tool_calls,
+    toolbox,
+)
 
 
 @dataclass(slots=True)
@@ -62,7 +73,7 @@ class Agent:
         self.environments = None
         if config.environment_factory is not None:
             self.environments = Environments(config.environment_factory, self.tools)
-        self.chat = ToolChat.for_tokenizer(tokenizer, None, config.chat_template_kwargs)
+        self.chat = ToolChat.for_tokenizer(tokenizer, None, config.chat_template_kwargs, config.chat_template_path)
         self._runner = None
         limit = config.max_tool_calling_iterations
         self.max_iterations = math.inf if limit is None else limit
@@ -104,8 +115,8 @@ class Agent:
         if self.environments is not None:
             instances = self.environments.draw(rows)
             prompts = self.environments.reset(instances, rows, prompts)
-            prompt_ids = [prompt_token_ids(self.tokenizer, p, self.config, t) for p, t in zip(prompts, tools,
-                                                                                             strict=True)]
+            prompt_ids = [self._reset_prompt_ids(p, t, n, type(e).__name__, row)
+                          for p, t, e, row in zip(prompts, tools, instances, rows, strict=True)]
         conversations = [Conversation(ids, t, toolbox(self.tools, None if instances is None else instances[s]))
                          for s, (ids, t) in enumerate(zip(prompt_ids, tools, strict=True))]
         counts = ToolCounts()
@@ -129,6 +140,30 @@ class Agent:
         counts += self._last_turns(completions, conversations)
         return AgentRound(groups, prompts, prompt_ids, [c.messages for c in conversations], instances, counts)
 
+    def _reset_prompt_ids(self, prompt, tools: list[Callable], n: int, environment: str, row: dict) -> list[int]:
+        """A prompt as its environment's reset() left it, tokenized with its tools, checked as data.prepare checks
+        the data's prompts: never cut (max_prompt_length would cut the tools' descriptions away), within the context
+        window with max_completion_length, within kv_cache_blocks' pool."""
+        config = self.config
+        ids = prompt_token_ids(self.tokenizer, prompt, dataclasses.replace(config, max_prompt_length=None), tools)
+        where = f"environment_factory: {environment}.reset(**row) made the prompt of the row {row!r:.100}"
+        if config.max_prompt_length is not None and len(ids) > config.max_prompt_length:
+            raise RolloutError(f"{where} {len(ids)} tokens with its tools, more than max_prompt_length="
+                               f"{config.max_prompt_length}; prompts with tools are not cut (the tool schemas come "
+                               "first): raise max_prompt_length or set it to None")
+        window, m = self.context_window, config.max_completion_length
+        if window is not None and len(ids) + m > window:
+            raise RolloutError(f"{where} {len(ids)} tokens, which with max_completion_length={m} exceed the "
+                               f"model's context window of {window} positions; lower max_completion_length or "
+                               "return a shorter text from reset()")
+        blocks = config.kv_cache_blocks
+        if blocks is not None and least_pages(len(ids), n, m, config.block_size) > blocks:
+            needed = least_pages(len(ids), n, m, config.block_size)
+            raise RolloutError(f"{where} {len(ids)} tokens: sampling it needs {needed} pages of {config.block_size} "
+                               f"tokens with max_completion_length={m}, more than kv_cache_blocks {blocks}; raise "
+                               "kv_cache_blocks or leave it unset")
+        return ids
+
     def _answer(self, turns: list[Turn], conversations: list[Conversation]
                 ) -> tuple[list[list[int] | None], ToolCounts]:
         """turn_end's work: per parked turn (conversations[k] is turns[k]'s), the tool turn's tokens to append, or
@@ -145,7 +180,7 @@ class Agent:
             return answers, ToolCounts()
         results, counts = self.runner.run([tool_calls(c.messages[-1]) for _, c in waiting], [c.box for _, c in waiting])
         for (k, c), tool_messages in zip(waiting, results, strict=True):
-            suffix = self.chat.suffix_ids(tool_messages)
+            suffix = self._suffix_ids(tool_messages)
             total = len(c.prompt_ids) + len(c.token_ids) + len(suffix)
             if len(suffix) > turns[k].room or (self.context_window is not None and total >= self.context_window):
                 continue  # no room for the results: TRL rolls them back and the rollout ends here
@@ -154,6 +189,17 @@ class Agent:
             c.iterations += 1
             answers[k] = suffix
         return answers, counts
+
+    def _suffix_ids(self, tool_messages: list[dict]) -> list[int]:
+        """The tool turn's tokens; a result the chat template cannot render is one line naming the tool."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.chat.suffix_ids(tool_messages)
+        except (TemplateError, TypeError, ValueError) as e:
+            names = sorted({m["name"] for m in tool_messages})
+            raise RolloutError(f"tools: the chat template cannot render the results of {names} "
+                               f"({[m['content'] for m in tool_messages]!r:.200}): {type(e).__name__}: {e}") from e
 
     def _last_turns(self, completions: list, conversations: list[Conversation]) -> ToolCounts:
         """The turns that ended by length (never handed to turn_end) parsed into their rollouts; the calls they make

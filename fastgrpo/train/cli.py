@@ -171,6 +171,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     import datasets
     from transformers.utils import logging
 
+    from fastgrpo.train.finite import NonFiniteError
     from fastgrpo.train.rewards import RewardError
     from fastgrpo.train.tools import RolloutError
 
@@ -188,8 +189,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
             parser.exit(status, stopped_message(trainer, stop))
         except RankFailed as failed:  # another process's error, which that process prints with its traceback
             parser.exit(1, f"fastgrpo train: error: {failed}\n")
-        except (RewardError, RolloutError) as error:  # a reward or rollout_func that raised or returned nonsense
-            parser.exit(1, f"fastgrpo train: error: {flagged(error)}\n")
+        except (RewardError, RolloutError, NonFiniteError) as error:  # a reward, rollout_func or environment that
+            parser.exit(1, f"fastgrpo train: error: {flagged(error)}\n")  # raised or returned nonsense; NaN or inf
         finally:
             trainer = None  # its DDP / FSDP2 wrappers go before the process group (distributed.leave)
             distributed.leave(finished)

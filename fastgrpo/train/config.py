@@ -25,6 +25,9 @@ DEFAULT_RECIPE = Path(__file__).parent / "default.yaml"
 REWARD_FUNCS = ("accuracy", "format", "length")
 OPTIMIZERS = ("adamw_torch", "adamw_8bit")  # TRL's / transformers' names
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL 1.16's
+# dynamic_sampling's cap on the prompts drawn per round, in rounds' worth: a round draws them in waves, so the cap
+# bounds time, not memory (1e9 once made P x 1e9 candidate indices up front).
+MAX_NUM_GEN_BATCHES = 1000
 SEED_LIMIT = 2**32  # numpy's seeding takes [0, 2**32), as does transformers' set_seed that TRL recipes call
 # The keys of TRL's generation_kwargs that the sampler honours (they override the options of the same names) -> what
 # the value must be, and its check (a number, not a bool, that passes it; min_p may be None). TRL hands the dict to
@@ -378,6 +381,10 @@ class TrainConfig:
                 "; with several environments (environment_factory a dict) the data's environment column picks one "
                 "per row" if self.environment_factory is not None else
                 "; only an environment_factory can do without: its reset() writes the prompts"))
+        if self.max_num_gen_batches > MAX_NUM_GEN_BATCHES:
+            raise ValueError(f"max_num_gen_batches must be at most {MAX_NUM_GEN_BATCHES}, got "
+                             f"{self.max_num_gen_batches}: a round that needs more rounds' worth of prompts than that "
+                             "has a reward that scores nearly every group flat (verl's default is 10)")
         self._check_agents()
         self._check_reference_and_eval()
         if self.dataset_streaming and self.dataset_name in (None, BUILTIN):
@@ -447,6 +454,10 @@ class TrainConfig:
             given = "tools" if self.tools else "environment_factory"
             raise ValueError(f"{given} does not apply with rollout_func, which returns whole rollouts (fastgrpo's own "
                              "tool loop does not run); run the tools inside rollout_func, or drop one of the two")
+        template = Path(self.chat_template_path).expanduser() if self.chat_template_path is not None else None
+        if template is not None and template.is_file() and not read_utf8(template, "chat_template_path").strip():
+            raise ValueError(f"chat_template_path: {template} is empty; give a Jinja chat template, or drop the option "
+                             "to keep the tokenizer's")
         if isinstance(self.environment_factory, dict):
             for name, spec in self.environment_factory.items():
                 if not isinstance(name, str) or not isinstance(spec, str):

@@ -235,6 +235,12 @@ class StreamOrder:
         self.prompts.fill(self.index + k)
         return list(range(self.index, self.index + k))
 
+    def cursor(self) -> "StreamOrder":
+        """A copy at the same position, which moves on its own (over the same prompts, read as it reaches them)."""
+        copy = StreamOrder(self.prompts)
+        copy.index = self.index
+        return copy
+
     def epochs_done(self) -> float:
         return float(self.epoch)
 
@@ -341,10 +347,14 @@ def prepare(rows: Rows, tokenizer, config: TrainConfig, what: str, answers: str 
         if answers is not None:
             row[answers] = _answer(row.get(answers), answers, config, rows.where(i))
         try:
-            ids = prompt_token_ids(tokenizer, prompt, config, None if tools is None else tools(row))
+            shown = None if tools is None else tools(row)
+        except ValueError as e:  # an environment column naming no environment
+            raise ValueError(f"{rows.where(i)}: {e}") from None
+        try:
+            ids = prompt_token_ids(tokenizer, prompt, config, shown)
             if tools is not None and config.max_prompt_length and len(ids) == config.max_prompt_length:
                 whole = prompt_token_ids(tokenizer, prompt, dataclasses.replace(config, max_prompt_length=None),
-                                         tools(row))
+                                         shown)
                 if len(whole) > len(ids):  # cutting its start would cut the tools' descriptions out of the prompt
                     raise ValueError(f"{where_prompt(rows, i, config)}: the prompt, with its tools, has {len(whole)} "
                                      f"tokens, more than max_prompt_length={config.max_prompt_length}; with tools "
@@ -423,6 +433,13 @@ class PromptOrder:
     def epochs_done(self) -> float:
         """Epochs of the data trained on, a fraction for the one under way (TrainerState's epoch)."""
         return self.epoch + self.index / self.num_prompts
+
+    def cursor(self) -> "PromptOrder":
+        """A copy at the same position, which moves on its own."""
+        copy = PromptOrder.__new__(PromptOrder)
+        copy.num_prompts, copy.seed, copy.epoch, copy.index = self.num_prompts, self.seed, self.epoch, self.index
+        copy._order = self._order  # (next() replaces it at an epoch's end, never changes it)
+        return copy
 
     def peek(self, k: int) -> list[int]:
         """The next k prompts, not taken: next(m) then takes the first m of them."""

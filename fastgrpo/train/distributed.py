@@ -33,7 +33,11 @@ PARALLELISMS = ("fsdp", "ddp")
 
 
 class RankFailed(RuntimeError):
-    """Another rank failed (the message is its error), or stopped answering."""
+    """Another rank failed (the message is its error; `kind` its class name), or stopped answering."""
+
+    def __init__(self, message: str, kind: str | None = None):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +75,15 @@ class World:
             dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def any_rank(self, flag: torch.Tensor) -> torch.Tensor:
+        """Whether the bool tensor `flag` (on this process's device) is true on any process: one all-reduce."""
+        if self.size == 1:
+            return flag
+        value = flag.to(torch.int32)
+        with self._collective():
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return value.bool()
+
     def barrier(self) -> None:
         if self.size > 1:
             with self._collective():
@@ -92,18 +105,18 @@ class World:
     def together(self, what: str):
         """Runs the block on every rank, then exchanges whether it failed: a rank that raised re-raises its own
         error; every other rank raises RankFailed with the first failing rank's error. So no rank goes on into a
-        collective that a failed rank will never join."""
+        collective that a failed rank will never join. RankFailed.kind is the failed rank's error class name."""
         try:
             yield
         except Exception as error:
-            self._exchange(f"{type(error).__name__}: {error}")
+            self._exchange((type(error).__name__, str(error)))
             raise
         failed = self._exchange(None)
         if failed:
-            rank, message = failed[0]
-            raise RankFailed(f"rank {rank} failed in {what}: {message}")
+            rank, (kind, message) = failed[0]
+            raise RankFailed(f"rank {rank} failed in {what}: {kind}: {message}", kind)
 
-    def _exchange(self, error: str | None) -> list[tuple[int, str]]:
+    def _exchange(self, error: tuple[str, str] | None) -> list[tuple[int, tuple[str, str]]]:
         return [(r, m) for r, m in enumerate(self.gather(error)) if m is not None]
 
 

@@ -1,8 +1,30 @@
-"""bitsandbytes, imported only when an option needs it: NF4 bases (load_in_4bit) and 8-bit AdamW (optim adamw_8bit)."""
+"""bitsandbytes, imported only when an option needs it: NF4 bases (load_in_4bit) and 8-bit AdamW (optim adamw_8bit).
+peft and transformers' TrainerState (which user reward functions get) import it too, so its start-up notice is
+dropped here for every run (quiet_bitsandbytes)."""
+
+import logging
 
 import torch
 
 BITSANDBYTES_MIN = "0.50"  # NF4 layers and 8-bit optimizers on a CPU too
+# bitsandbytes 0.50 logs this warning as it is imported, on a CPU with AVX512-BF16 without the `kernels` package (its
+# optional faster 4-bit GEMV): a notice for bitsandbytes' developers, which every run that imports peft printed.
+_KERNELS_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+
+class _DropKernelsNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_KERNELS_NOTICE)
+
+
+def quiet_bitsandbytes() -> None:
+    """Drops bitsandbytes' _KERNELS_NOTICE (and nothing else it logs), whenever it is imported later."""
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")  # the logger it writes the notice with
+    if not any(isinstance(f, _DropKernelsNotice) for f in logger.filters):
+        logger.addFilter(_DropKernelsNotice())
+
+
+quiet_bitsandbytes()
 
 
 def bitsandbytes(option: str):

@@ -4,8 +4,8 @@ overwrite_output_dir) only when it is recognisably a fastgrpo run.
     output_dir/
         .fastgrpo.lock      flock'ed by the run writing here, which writes its pid into it. The kernel drops an
                             flock when its process dies, even by SIGKILL, so a killed run never blocks its --resume.
-        config.yaml  metrics.jsonl  memory_plan.txt  completions.jsonl  training_curves.png  tensorboard/  wandb/
-        checkpoint-<step>/  ...
+        config.yaml  config_history.yaml  metrics.jsonl  memory_plan.txt  completions.jsonl  training_curves.png
+        tensorboard/  wandb/  checkpoint-<step>/  ...
 
 Checks that may refuse the folder only read it: a refused run leaves no file behind, not even the lock file.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 
 LOCK_FILE = ".fastgrpo.lock"
 # Everything fastgrpo writes into an output folder; overwrite_output_dir deletes nothing else.
-RUN_FILES = {"config.yaml", "metrics.jsonl", "metrics.partial", "training_curves.png", "memory_plan.txt",
-             "completions.jsonl", "completions.partial"}
+RUN_FILES = {"config.yaml", "config_history.yaml", "metrics.jsonl", "metrics.partial", "training_curves.png",
+             "memory_plan.txt", "completions.jsonl", "completions.partial"}
 RUN_FOLDERS = re.compile(r"checkpoint-\d+|\.checkpoint-\d+\.partial|tensorboard|wandb")
 
 

@@ -15,17 +15,18 @@ gets one instance per rollout, drawn from a pool and reset with the sample's row
 a string is appended to the last user message); its public methods are the rollout's tools, and an optional
 `get_reward()` scores the rollout as one more reward function, weight 1, named after the class.
 
-A tool's result becomes `{"role": "tool", "name": name, "content": str(result)}` (a list result, content blocks, is
-kept); an exception, an unknown tool, arguments that do not fit or a call past `timeout` seconds becomes
-`str({"error": message})`, as TRL writes it, and counts as a failure. TRL's metrics: tools/call_frequency = calls per
-sample, tools/failure_frequency = failures per call.
+A tool's result becomes `{"role": "tool", "name": name, "content": str(result)}` (a list of content blocks is kept);
+an exception, an unknown tool, arguments that do not fit, a result that cannot be shown as text or a call past
+`timeout` seconds becomes `str({"error": message})`, as TRL writes it, and counts as a failure. TRL's metrics:
+tools/call_frequency = calls per sample, tools/failure_frequency = failures per call.
 
 Where this differs from TRL: a tool is checked up front (TRL fails later, inside apply_chat_template); two tools may
 not share a name (TRL calls whichever its dict kept); a rollout's results come in the order of its calls (TRL puts
 the sync tools' results first, then the async ones', which a template that does not name the tool in its result, as
-Qwen's, leaves the model to match by position); rollouts' calls run concurrently and a call can time out (TRL runs
-a rollout after another and waits); a chat template that is not prefix-preserving is refused (TRL swaps in a
-training template it ships, which can be given here as `chat_template`).
+Qwen's, leaves the model to match by position); rollouts' calls run concurrently, each on a thread of its own, and a
+call can time out (TRL runs a rollout after another and waits); a list result that is not content blocks is shown
+as its str() (TRL passes it to the chat template as it is); a chat template that is not prefix-preserving is refused
+(TRL swaps in a training template it ships, which can be given here as `chat_template`).
 """
 
 import asyncio
@@ -106,6 +107,11 @@ def tool_schema(tool: Callable, option: str, where: str) -> dict:
     if not (inspect.isfunction(tool) or inspect.ismethod(tool)):
         raise ValueError(f"{option}: {where} is a {type(tool).__name__}; a tool must be a function or method (def or "
                          "async def) so that transformers can read its signature and docstring")
+    for parameter in inspect.signature(tool).parameters.values():  # a call passes its arguments by name
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.POSITIONAL_ONLY):
+            shown = f"*{parameter.name}" if parameter.kind == parameter.VAR_POSITIONAL else f"{parameter.name}, /"
+            raise ValueError(f"{option}: {where}: its argument {shown} can only be given by position, and the "
+                             "model's calls give every argument by name; make it a named argument")
     try:
         return get_json_schema(tool)
     except Exception as e:  # TypeHintParsingException, DocstringParsingException
@@ -185,8 +191,7 @@ class Environments:
                 instance = make()
             except Exception as e:
                 raise ValueError(f"environment_factory: {where}() raised {type(e).__name__}: {e}") from e
-            members = dict(inspect.getmembers(type(instance), predicate=inspect.isfunction))
-            if "reset" not in members:
+            if not callable(getattr(instance, "reset", None)):  # a method, classmethod or staticmethod
                 raise ValueError(f"environment_factory: {where} makes {type(instance).__name__} instances, which have "
                                  "no reset method; an environment needs reset(**row) -> str | None, called before "
                                  "each rollout")
@@ -196,7 +201,7 @@ class Environments:
             _check_unique(self.standalone + methods, f"environment_factory: {type(instance).__name__} and tools")
             self.factories[name], self.pools[name] = make, [instance]
             self.tools[name] = self.standalone + methods
-            if "get_reward" in members and type(instance) not in rewarded:
+            if callable(getattr(instance, "get_reward", None)) and type(instance) not in rewarded:
                 rewarded.append(type(instance))
                 self.reward_functions.append(_environment_reward(type(instance)))
 
@@ -217,29 +222,51 @@ class Environments:
         if not self.multi:
             return [None] * len(rows)
         names = [row.get("environment") for row in rows]
-        for i, name in enumerate(names):
-            if name not in self.factories:
-                raise ValueError(f"environment_factory: row {i} has environment {name!r}, which is not one of "
-                                 f"{list(self.factories)}; with several environments each row's 'environment' "
+        for name in names:
+            if name not in self.factories:  # (data.prepare names the row: every row's tools are looked up there)
+                raise ValueError(f"environment_factory: the row's environment column is {name!r}, which is not one "
+                                 f"of {list(self.factories)}; with several environments each row's 'environment' "
                                  "column names one")
         return names
 
     def reset(self, instances: list, rows: list[dict], prompts: list) -> list:
         """reset(**row) on each instance (the row less its 'environment' with several environments); a returned
-        string (or list of content blocks) is appended to the prompt's last message. Returns the new prompts; the
-        given ones are left as they were."""
+        string (or, for a conversational prompt, a list of content blocks) is appended to the prompt's last message.
+        Returns the new prompts; the given ones are left as they were. A reset that raises or returns anything else
+        is a RolloutError naming the class and the row."""
         reset_prompts = []
         for instance, row, prompt in zip(instances, rows, prompts, strict=True):
             kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi else row
-            observation = instance.reset(**kwargs)
+            where = f"{type(instance).__name__}.reset(**row) for the row {_short(row)}"
+            try:
+                observation = instance.reset(**kwargs)
+            except Exception as e:
+                raise RolloutError(f"environment_factory: {where} raised {type(e).__name__}: {_short(e)}") from e
+            blocks = isinstance(prompt, list) and _is_content_blocks(observation)
+            if not (observation is None or isinstance(observation, str) or blocks):
+                kind = "string or a list of content blocks" if isinstance(prompt, list) else "string"
+                raise RolloutError(f"environment_factory: {where} returned {_short(observation)} "
+                                   f"({type(observation).__name__}); it must return a {kind} to append to the prompt, "
+                                   "or None")
             reset_prompts.append(prompt if observation is None else _append(prompt, observation))
         return reset_prompts
+
+
+def _short(value, limit: int = 200) -> str:
+    """repr(value) on one line, at most `limit` characters."""
+    text = " ".join(repr(value).split()) if not isinstance(value, BaseException) else " ".join(str(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_content_blocks(value) -> bool:
+    """A list of content blocks, [{"type": ...}, ...] (TRL's multimodal messages)."""
+    return isinstance(value, list) and all(isinstance(block, dict) and "type" in block for block in value)
 
 
 def _append(prompt, observation):
     """The prompt with `observation` appended to its last message (to its text for a string prompt)."""
     if isinstance(prompt, str):
-        return prompt + observation if isinstance(observation, str) else prompt
+        return prompt + observation
     content = prompt[-1]["content"]
     if isinstance(observation, list) and isinstance(content, str):
         content = [{"type": "text", "text": content}]
@@ -270,8 +297,9 @@ def _render(tokenizer, messages, chat_template, kwargs, **options):
 
 def supports_tool_calls(tokenizer, chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> bool:
     """Whether the chat template renders a whole tool exchange (user, assistant calling a tool, tool result) with the
-    call's name, argument and the result all in the text (TRL's supports_tool_calling)."""
-    from jinja2 import TemplateError
+    call's name, argument and the result all in the text (TRL's supports_tool_calling). A template that does not
+    compile raises jinja2's TemplateSyntaxError."""
+    from jinja2 import TemplateError, TemplateSyntaxError
 
     if (chat_template or tokenizer.chat_template) is None:
         return False
@@ -284,6 +312,8 @@ def supports_tool_calls(tokenizer, chat_template: str | None = None, chat_templa
                     {"role": "tool", "name": name, "content": result}]
         try:
             text = _render(tokenizer, messages, chat_template, chat_template_kwargs or {}, tokenize=False)
+        except TemplateSyntaxError:
+            raise
         except TemplateError:
             return False
         except TypeError:
@@ -344,22 +374,30 @@ class ToolChat:
 
     @classmethod
     def for_tokenizer(cls, tokenizer, chat_template: str | None = None,
-                      chat_template_kwargs: dict | None = None) -> "ToolChat":
+                      chat_template_kwargs: dict | None = None, template_path: str | None = None) -> "ToolChat":
         """Checks, each refused in one line naming `tools`: transformers >= 5.15 (response parsing that types the
-        arguments from the tools' schemas), a chat template that renders a whole tool exchange and is
+        arguments from the tools' schemas), a chat template that compiles, renders a whole tool exchange and is
         prefix-preserving (earlier turns render the same once a tool result follows: the sampled tokens are kept
-        and the tool turn's tokens appended), a response template."""
+        and the tool turn's tokens appended), a response template. `template_path`: the chat_template_path the
+        template was read from, if any (the errors name it)."""
         import transformers
+        from jinja2 import TemplateSyntaxError
         from packaging.version import Version
 
         if Version(transformers.__version__) < Version("5.15.0"):
             raise ValueError(f"tools need transformers >= 5.15 (response parsing with the tools' schemas); "
                              f"{transformers.__version__} is installed: pip install -U transformers")
         kwargs = chat_template_kwargs or {}
-        if not supports_tool_calls(tokenizer, chat_template, kwargs):
-            raise ValueError("tools: the chat template cannot render a tool-calling conversation (user, then an "
-                             "assistant turn with tool_calls, then a tool message); use a model whose chat template "
-                             "supports tools, or give one with chat_template_path")
+        source = "the chat template" + ("" if template_path is None else f" of chat_template_path {template_path}")
+        try:
+            renders = supports_tool_calls(tokenizer, chat_template, kwargs)
+        except TemplateSyntaxError as e:
+            raise ValueError(f"tools: {source} is not a valid Jinja template: line {e.lineno}: {e.message}") from None
+        if not renders:
+            advice = ("use a model whose chat template supports tools, or give one with chat_template_path"
+                      if template_path is None else "give one that does")
+            raise ValueError(f"tools: {source} cannot render a tool-calling conversation (user, then an assistant "
+                             f"turn with tool_calls, then a tool message); {advice}")
         if not _is_prefix_preserving(tokenizer, chat_template, kwargs):
             raise ValueError("tools: the chat template renders an assistant turn differently once a tool result "
                              "follows (it is not prefix-preserving, e.g. Qwen3's drops the turn's <think> block), so "
@@ -450,20 +488,28 @@ class ToolCounts:
                 "tools/failure_frequency": self.failures / self.calls if self.calls else 0.0}
 
 
-def tool_message(name: str, result) -> dict:
-    """A result as TRL writes it: a list (content blocks) as it is, anything else as str()."""
-    return {"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
+def tool_content(result) -> str | list:
+    """A result as the tool message's content: a list of content blocks as it is (TRL's multimodal results), anything
+    else as str(), other lists included (TRL passes every list on, which a text template cannot render: a
+    `-> list[int]` tool's result ended the run in Jinja)."""
+    return result if result and _is_content_blocks(result) else str(result)
+
+
+def tool_message(name: str, content: str | list) -> dict:
+    return {"role": "tool", "name": name, "content": content}
 
 
 class ToolRunner:
-    """Runs a step's tool calls, all rollouts at once, on an event loop of its own (a daemon thread).
+    """Runs a step's tool calls, all rollouts at once.
 
-    Within a rollout, as TRL: the sync tools run one after another in the order called, then the async ones
-    together; rollouts run concurrently, so a sync tool (each call on a thread of its own, at most `max_threads` at
-    once) must be safe to call from several threads; an environment's methods are (one instance per rollout).
-    Each call gets `timeout` seconds (None: no limit): a call past it is reported as a failed call and the step goes
-    on. Python cannot stop a thread, so a hung sync tool's thread runs on in the background; an async tool is
-    cancelled (unless it blocks the event loop itself)."""
+    Every call runs on a thread of its own (at most `max_threads` at once): a sync tool as it is, an async one in an
+    event loop of its own on that thread, so that a tool that blocks (time.sleep, a sync HTTP client, inside a def or
+    an async def) holds up no other call; the runner's own event loop (a daemon thread) only waits for them. Within a
+    rollout, as TRL: the sync tools run one after another in the order called, then the async ones together;
+    rollouts run concurrently, so a tool must be safe to call from several threads (an environment's methods are:
+    one instance per rollout). Each call gets `timeout` seconds (None: no limit): a call past it is reported as a
+    failed call and the step goes on. Python cannot stop a thread, so a hung call's thread runs on in the
+    background (an async tool's task is cancelled, which takes effect at its next await)."""
 
     def __init__(self, timeout: float | None = None, max_threads: int = 64):
         if timeout is not None and not timeout > 0:
@@ -495,7 +541,7 @@ class ToolRunner:
             raise ValueError(f"{len(calls)} rollouts' calls but {len(toolboxes)} toolboxes")
         work = self._run_all([c or [] for c in calls], toolboxes)
         outcomes = asyncio.run_coroutine_threadsafe(work, self._loop).result()
-        messages = [[tool_message(name, result) for name, result, _ in rollout] for rollout in outcomes]
+        messages = [[tool_message(name, content) for name, content, _ in rollout] for rollout in outcomes]
         failures = sum(failed for rollout in outcomes for _, _, failed in rollout)
         return messages, ToolCounts(sum(map(len, outcomes)), failures)
 
@@ -503,47 +549,53 @@ class ToolRunner:
         return await asyncio.gather(*(self._run_rollout(c, box) for c, box in zip(calls, toolboxes, strict=True)))
 
     async def _run_rollout(self, calls: list[dict], box: dict[str, Callable]) -> list[tuple[str, object, bool]]:
-        outcomes = [None] * len(calls)  # (name, result, failed) per call
-        started = []  # (index, name, coroutine) of the async calls, awaited after the sync ones
+        outcomes = [None] * len(calls)  # (name, content, failed) per call
+        started = []  # (index, name, tool, arguments) of the async calls, run after the sync ones
         for k, call in enumerate(calls):
             function = call.get("function")
             if call.get("type") != "function" or not isinstance(function, dict):
                 error = {"error": f"Unsupported tool call type: {call.get('type')}"}
-                outcomes[k] = (call.get("name", "unknown"), error, True)
+                outcomes[k] = (call.get("name", "unknown"), str(error), True)
                 continue
             name, arguments = function["name"], function.get("arguments")
             tool = box.get(name)
             if tool is None:
-                outcomes[k] = (name, {"error": f"Tool {name} not found."}, True)
+                outcomes[k] = (name, str({"error": f"Tool {name} not found."}), True)
             elif _is_async(tool):
-                try:
-                    started.append((k, name, tool(**arguments)))  # arguments that do not fit raise here
-                except Exception as e:
-                    outcomes[k] = (name, {"error": str(e)}, True)
+                started.append((k, name, tool, arguments))
             else:
-                async with self._threads:  # a slot while it runs: the timeout counts no wait for one
-                    outcomes[k] = await self._settle(name, self._in_thread(tool, arguments))
-        settled = await asyncio.gather(*(self._settle(name, coroutine) for _, name, coroutine in started))
-        for (k, _, _), outcome in zip(started, settled, strict=True):
+                outcomes[k] = await self._settle(name, tool, arguments)
+        settled = await asyncio.gather(*(self._settle(name, tool, arguments) for _, name, tool, arguments in started))
+        for (k, *_), outcome in zip(started, settled, strict=True):
             outcomes[k] = outcome
         return outcomes
 
-    async def _settle(self, name: str, awaitable) -> tuple[str, object, bool]:
-        """(name, result, failed) of one call: its result, or {"error": ...} for an exception or a timeout (told
-        apart from a TimeoutError the tool raises itself)."""
-        task = asyncio.ensure_future(awaitable)
-        done, _ = await asyncio.wait({task}, timeout=self.timeout)
+    async def _settle(self, name: str, tool: Callable, arguments) -> tuple[str, str | list, bool]:
+        """(name, content, failed) of one call: its result as content (tool_content), or str({"error": ...}) for an
+        exception (arguments that do not fit included), a timeout (told apart from a TimeoutError the tool raises
+        itself) or a result that cannot be shown as text."""
+        async with self._threads:  # a slot while it runs: the timeout counts no wait for one
+            task = asyncio.ensure_future(self._in_thread(tool, arguments))
+            done, _ = await asyncio.wait({task}, timeout=self.timeout)
         if not done:
             task.cancel()
-            return name, {"error": f"Tool {name} timed out after {self.timeout:g} s."}, True
+            return name, str({"error": f"Tool {name} timed out after {self.timeout:g} s."}), True
         try:
-            return name, task.result(), False
+            result = task.result()
         except Exception as e:
-            return name, {"error": str(e)}, True
+            return name, str({"error": str(e)}), True
+        try:
+            return name, tool_content(result), False
+        except Exception as e:  # a result whose __str__ raises
+            error = f"the result of {name} cannot be shown as text ({type(e).__name__}: {e})"
+            return name, str({"error": error}), True
 
     async def _in_thread(self, tool: Callable, arguments):
-        """tool(**arguments) on a new daemon thread: a call that never returns holds no thread the others need."""
+        """tool(**arguments) on a new daemon thread (an async tool in an event loop of its own there): a call that
+        blocks or never returns holds no thread the others need. Cancelled (timed out), an async tool's task is
+        cancelled in its loop."""
         loop, done = self._loop, self._loop.create_future()
+        own = {}  # an async tool's loop and task
 
         def settle(result, error):
             if done.done():  # cancelled: the call timed out
@@ -555,7 +607,7 @@ class ToolRunner:
 
         def call():
             try:
-                result, error = tool(**arguments), None
+                result, error = (_run_async(tool, arguments, own) if _is_async(tool) else tool(**arguments)), None
             except BaseException as e:  # noqa: B036 - reported as the call's failure (SystemExit included)
                 result, error = None, e
             try:
@@ -564,7 +616,26 @@ class ToolRunner:
                 pass
 
         threading.Thread(target=call, name=f"fastgrpo-tool-{tool.__name__}", daemon=True).start()
-        return await done
+        try:
+            return await done
+        except asyncio.CancelledError:
+            if "task" in own:
+                try:
+                    own["loop"].call_soon_threadsafe(own["task"].cancel)
+                except RuntimeError:  # its loop has just closed: the call is over
+                    pass
+            raise
+
+
+def _run_async(tool: Callable, arguments, own: dict):
+    """An async tool's call to its end in a new event loop on this thread; own["loop"], own["task"] while it runs."""
+    loop = asyncio.new_event_loop()
+    try:
+        own["loop"] = loop
+        own["task"] = loop.create_task(tool(**arguments))  # arguments that do not fit raise here
+        return loop.run_until_complete(own["task"])
+    finally:
+        loop.close()
 
 
 # -- rollout_func ---------------------------------------------------------------------------------------------------
@@ -573,8 +644,9 @@ ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
 
 class RolloutError(ValueError):
-    """A rollout_func returned what is not a rollout; found during a step, so the command line reports it as it does a
-    reward function's bad output (one line, exit 1)."""
+    """A rollout that cannot be trained on: a rollout_func's output that is not one, an environment's reset() that
+    raises or returns nonsense, a tool result the chat template cannot render. Found during a step, so the command
+    line reports it as it does a reward function's bad output (one line, exit 1)."""
 
 
 def _token_ids(value, key: str, i: int, vocab_size: int | None) -> list[int]:
@@ -621,13 +693,25 @@ def _per_token(value, key: str, i: int, length: int, check: Callable, what: str)
     return value
 
 
+# A sampler's logprob is a log-probability, <= 0; a bf16 sampler's log-softmax can land one bf16 spacing above 0 for
+# its top token (0.0625 for logits of 8-16), so up to 0.1 passes.
+LOGPROB_SLACK = 0.1
+
+
 def _is_logprob(x) -> bool:
-    return x is None or (isinstance(x, numbers.Real) and not isinstance(x, bool))
+    """None or NaN (unknown), or a number in [-inf, LOGPROB_SLACK] that is finite."""
+    if x is None:
+        return True
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return False
+    return math.isnan(x) or (math.isfinite(x) and x <= LOGPROB_SLACK)
 
 
-def check_rollout(output, num_samples: int, vocab_size: int | None = None) -> dict:
+def check_rollout(output, num_samples: int, vocab_size: int | None = None, max_completion_length: int | None = None,
+                  context_window: int | None = None) -> dict:
     """A user rollout_func's output checked: a dict with prompt_ids and completion_ids (one non-empty list of token
-    ids per sample, in [0, vocab_size)) and logprobs (None, or one list per sample with one float per completion
+    ids per sample, in [0, vocab_size); a completion of at most max_completion_length tokens, with its prompt within
+    the model's context_window) and logprobs (None, or one list per sample with one finite logprob <= 0 per completion
     token: the sampler's logprob of it; None for one it does not know, read as NaN, as TRL). Optional env_mask (one
     0/1 per completion token: 0 on tokens the model did not write, left out of the loss, as TRL) and
     logprob_token_ids (one entry per completion token). Any other field is passed to the reward functions: a list
@@ -644,10 +728,19 @@ def check_rollout(output, num_samples: int, vocab_size: int | None = None) -> di
         checked[key] = [_token_ids(ids, key, i, vocab_size)
                         for i, ids in enumerate(_per_sample(output, key, num_samples))]
     lengths = [len(ids) for ids in checked["completion_ids"]]
+    for i, (prompt, length) in enumerate(zip(checked["prompt_ids"], lengths, strict=True)):
+        if max_completion_length is not None and length > max_completion_length:
+            raise RolloutError(f"rollout_func: completion_ids[{i}] has {length} tokens, more than "
+                               f"max_completion_length={max_completion_length}; cut completions there (a completion "
+                               "cut by length ends without a stop token)")
+        if context_window is not None and len(prompt) + length > context_window:
+            raise RolloutError(f"rollout_func: prompt_ids[{i}] and completion_ids[{i}] have {len(prompt)} + {length} "
+                               f"tokens, more than the model's context window of {context_window} positions")
     if output["logprobs"] is not None:
         checked["logprobs"] = [
             [math.nan if x is None else float(x)
-             for x in _per_token(lp, "logprobs", i, lengths[i], _is_logprob, "a float logprob (or None)")]
+             for x in _per_token(lp, "logprobs", i, lengths[i], _is_logprob,
+                                 "a finite logprob <= 0 (a log-probability), or None")]
             for i, lp in enumerate(_per_sample(output, "logprobs", num_samples))]
     if "env_mask" in output:
         checked["env_mask"] = [

@@ -36,7 +36,6 @@ import zlib
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import yaml
@@ -48,7 +47,7 @@ from fastgrpo.models import find_hf_model, stop_token_ids
 from fastgrpo.reference import RATIO_METRICS
 from fastgrpo.sampling import Completion, Engine, SamplingParams
 from fastgrpo.sizes import GiB, parse_size
-from fastgrpo.train import checkpoint, distributed, run_dir
+from fastgrpo.train import checkpoint, distributed, run_config, run_dir
 from fastgrpo.train.agent import Agent
 from fastgrpo.train.config import TrainConfig, flag, train_dtype
 from fastgrpo.train.data import (
@@ -62,6 +61,15 @@ from fastgrpo.train.data import (
     load_rows,
     prepare,
     stream_rows,
+)
+from fastgrpo.train.distributed import RankFailed
+from fastgrpo.train.finite import (
+    NonFiniteError,
+    check_inputs,
+    check_rewards,
+    check_step,
+    check_weights,
+    last_checkpoint_said,
 )
 from fastgrpo.train.loading import (
     PACKED_ATTENTION,
@@ -104,6 +112,7 @@ from fastgrpo.train.rollout import (
     micro_batches,
     sampler_importance_weights,
 )
+from fastgrpo.train.rounds import RankRound, Sampled, dynamic_round
 from fastgrpo.train.run_dir import RunDir
 from fastgrpo.train.schedule import lr_scheduler
 from fastgrpo.train.tools import RolloutError, ToolChat, ToolCounts, check_rollout
@@ -115,51 +124,13 @@ RESERVED_REWARD_ARGS = ("prompt", "completion", "prompts", "completions", "compl
                         "log_extra", "log_metric", "environments")
 
 
+# Errors before the first step is done after which no run is left behind (Trainer._discard_unstarted_run); a failure
+# of another process carries its error's class name.
+DISCARDED_BEFORE_A_STEP = ("RewardError", "RolloutError", "NonFiniteError")
+
 # What a checkpoint holds and a resumed run therefore cannot change.
 RESUME_FIXED = ("model_name_or_path", "use_peft", "lora_r", "lora_alpha", "lora_target_modules", "load_in_4bit",
                 "optim", "bf16", "sync_ref_model")
-
-
-class Sampled(NamedTuple):
-    """One process's samples of a round, before scoring."""
-
-    groups: list  # [groups][G] Completions
-    prompt_ids: list  # [n] per sample
-    prompts: list  # [n] per sample, as reward functions get them
-    completions: list  # [n] per sample, as reward functions get them: text or messages
-    columns: dict  # more reward-function keywords, one value per sample (environments, rollout_func's fields)
-    tool_counts: ToolCounts
-
-
-def _merged(parts: list["RankRound"], preemptions: int, scored) -> "RankRound":
-    """Groups (RankRounds of one group each, in round order) as one RankRound; tool counts and the reward functions'
-    logged metrics summed over every group `scored` (the dropped ones made their calls too)."""
-    columns = {}
-    for k, part in enumerate(parts):
-        for column, values in part.logged_columns.items():
-            columns.setdefault(column, [None] * (len(parts[0].rewards) * k)).extend(values)
-        for values in columns.values():
-            values.extend([None] * (len(part.rewards) * (k + 1) - len(values)))
-    metrics = defaultdict(list)
-    for part in scored:
-        for name, values in part.logged_metrics.items():
-            metrics[name] += values
-    return RankRound([g for part in parts for g in part.groups], [ids for part in parts for ids in part.prompt_ids],
-                     sum((part.tool_counts for part in scored), ToolCounts()), torch.cat([p.per_func for p in parts]),
-                     torch.cat([p.rewards for p in parts]), preemptions, dict(metrics), columns)
-
-
-class RankRound(NamedTuple):
-    """What one process sampled and scored of a round, gathered to every process in group order."""
-
-    groups: list  # [groups of this rank][G] Completions
-    prompt_ids: list  # [n] per sample: its prompt's tokens (an environment's reset or a rollout_func may change them)
-    tool_counts: ToolCounts  # tool calls made and failed (none without tools)
-    per_func: torch.Tensor  # [n, F] rewards per function
-    rewards: torch.Tensor  # [n] weighted sums
-    preemptions: int
-    logged_metrics: dict  # the reward functions' log_metric values
-    logged_columns: dict  # the reward functions' log_extra columns
 
 
 def completion_messages(tokenizer, completion_ids: list[list[int]], prompt_ids: list[list[int]],
@@ -233,7 +204,9 @@ class Trainer:
             self.log = MetricsLog(self.output_dir, config.report_to, config.to_dict(),
                                   self.step if resume_from is not None else None, write=self.world.is_main)
             if self.world.is_main:
-                config.save_yaml(self.output_dir / "config.yaml")
+                changed = run_config.record(self.output_dir, config, self.step if resume_from is not None else None)
+                if changed is not None:
+                    print(changed, file=sys.stderr)
                 (self.output_dir / PLAN_FILE).write_text(self.plan_text + "\n")
         except BaseException:
             self.folder.release(remove_new=True)
@@ -314,8 +287,9 @@ class Trainer:
         torch.manual_seed(config.seed)  # LoRA's initial weights (the same on every rank)
         self.tokenizer = load_tokenizer(config)
         self.agent = None  # tools and environments (agent.py)
+        self.context_window = max_positions(config)
         if config.tools or config.environment_factory is not None:
-            self.agent = Agent(config, self.tokenizer, max_positions(config))
+            self.agent = Agent(config, self.tokenizer, self.context_window)
         self.rollout_func = None
         if config.rollout_func is not None:
             try:
@@ -440,8 +414,10 @@ class Trainer:
         try:
             with chunk_size(self.config.loss_chunk_tokens):
                 return self._train()
-        except (RewardError, RolloutError):
-            if fresh:
+        except (RewardError, RolloutError, NonFiniteError, RankFailed) as error:
+            # (another process's failure: when it was one of these)
+            discards = not isinstance(error, RankFailed) or error.kind in DISCARDED_BEFORE_A_STEP
+            if fresh and discards:
                 self._discard_unstarted_run()
             raise
         finally:
@@ -452,9 +428,10 @@ class Trainer:
             self.folder.release(remove_new=True)  # (a folder this run made is removed only if it is empty)
 
     def _discard_unstarted_run(self) -> None:
-        """A reward function or rollout_func that fails before the first step is done leaves no run behind, as a
-        refused run leaves no file: what this run wrote (its config, memory plan, the initial evaluation's metrics)
-        goes, so that the same command runs again once the function is fixed. A run with a finished step keeps all."""
+        """A reward function, rollout_func or environment that fails, or a non-finite step, before the first step is
+        done leaves no run behind, as a refused run leaves no file: what this run wrote (its config, memory plan, the
+        initial evaluation's metrics) goes, so that the same command runs again once the cause is fixed (on every
+        number of processes: rank 0 deletes). A run with a finished step keeps all."""
         if not self.world.is_main or any(row["step"] >= 1 for row in self.log.history):
             return
         self.log.close()
@@ -546,102 +523,16 @@ class Trainer:
                 samples = [picked[i] for i in self.world.share(len(picked))
                            for _ in range(self.config.num_generations)]
                 per_func, rewards = self._score(samples, sampled)
-                mine = RankRound(sampled.groups, sampled.prompt_ids, sampled.tool_counts, per_func, rewards,
+                mine = RankRound(sampled.groups, sampled.prompt_ids, sampled.prompts, sampled.tool_counts, per_func,
+                                 rewards,
                                  self.engine.stats.num_preemptions if self.rollout_func is None else 0,
                                  self.rewards.logged_metrics, self.rewards.logged_columns)
         return [part for part in self.world.gather(mine) if part is not None]
 
     def _dynamic_round(self, params: SamplingParams) -> tuple[list[int], list[RankRound], dict]:
-        """DAPO's dynamic sampling: the round's groups whose rewards differ, prompts_per_step (x processes) of them,
-        drawn in data order from at most max_num_gen_batches rounds' worth of prompts. -> (the kept groups' prompts,
-        the round as one RankRound, metrics).
-
-        What is kept does not depend on the schedule or the process count: group d of the draw samples with random
-        stream d, the kept groups are the first P informative ones in draw order, and the prompts taken from the data
-        are those up to the P-th informative one (the ones drawn after it go back: the next round draws them again).
-        One process sampling with the engine streams: P groups start, each flat group that finishes lets one more
-        start, and the call stops once the first P informative groups are known. Otherwise waves: each draws as many
-        groups as are still missing, sampled and scored by all processes together."""
-        config, G = self.config, self.config.num_generations
-        P = config.prompts_per_step * self.world.size
-        candidates = self.order.peek(P * config.max_num_gen_batches)
-        records: dict[int, RankRound] = {}  # draw index -> its group, scored
-        kept: list[int] = []  # draw indices of the informative groups, in draw order, found so far
-        scanned = 0  # draw indices below this are in `records` and counted in `kept`
-        started = 0  # groups sampled (in part or whole)
-
-        def scan() -> None:
-            nonlocal scanned
-            while scanned in records and len(kept) < P:
-                if not self._flat(records[scanned].rewards):
-                    kept.append(scanned)
-                scanned += 1
-
-        if self.world.size == 1 and self.agent is None and self.rollout_func is None:
-            data = self.train_prompts
-
-            def group_done(d: int, completions: list[Completion]) -> int | None:
-                sampled = self._plain_sampled(data, [candidates[d]], [completions])
-                per_func, rewards = self._score([candidates[d]] * G, sampled)
-                records[d] = RankRound(sampled.groups, sampled.prompt_ids, ToolCounts(), per_func, rewards, 0,
-                                       self.rewards.logged_metrics, self.rewards.logged_columns)
-                scan()
-                if len(kept) == P:
-                    return None
-                return 1 if self._flat(rewards) else 0
-
-            with self.world.together("sampling and rewards"), distributed.unsharded(self.policy):
-                # (the finished groups are in `records`: group_done scored them as they came)
-                self.engine.generate([data.token_ids[i] for i in candidates], n=G, params=params,
-                                     group_ids=list(range(len(candidates))), admit=P, group_done=group_done)
-            started = self.engine.stats.num_groups_started
-            preemptions = self.engine.stats.num_preemptions
-            generated = self.engine.stats.num_generated_tokens
-        else:
-            preemptions = generated = 0
-            while len(kept) < P and started < len(candidates):
-                wave = candidates[started : started + P - len(kept)]
-                for k, (group, part) in enumerate(self._groups_of(self._round(wave, params, started))):
-                    records[started + k] = part
-                    preemptions += part.preemptions
-                    generated += sum(sum(c.tool_mask) for c in group)
-                started += len(wave)
-                scan()
-        consumed = scanned if len(kept) == P else len(candidates)
-        self.order.next(consumed)
-        flat = [d for d in range(consumed) if d not in kept]
-        chosen = sorted(kept + flat[: P - len(kept)])  # a round cut short is filled with flat groups
-        parts = [records[d] for d in chosen]
-        metrics = {
-            "dynamic/kept_groups": len(kept),
-            "dynamic/drawn_groups": consumed,  # taken from the data: kept, and dropped before the last kept one
-            # = drawn_groups: no group starts past the last kept one (streamed, one starts per flat one finished;
-            # waves draw the groups still missing), so the stream's stop never drops a running group
-            "dynamic/sampled_groups": started,
-            "dynamic/sampled_tokens": generated,
-            "frac_reward_zero_std": len(flat) / max(consumed, 1),  # before filtering
-        }
-        return [candidates[d] for d in chosen], [_merged(parts, preemptions, records.values())], metrics
-
-    @staticmethod
-    def _flat(rewards: torch.Tensor) -> bool:
-        """Whether a group's scorable rewards are all equal (or it has fewer than two): zero advantage."""
-        return bool(group_advantages(rewards, len(rewards), "none")[2][0])
-
-    def _groups_of(self, parts: list[RankRound]) -> list[tuple[list[Completion], RankRound]]:
-        """Each group of gathered parts as a RankRound of its own (a part's tool counts, preemptions and logged
-        metrics go with its first group)."""
-        G, out = self.config.num_generations, []
-        for part in parts:
-            for g, group in enumerate(part.groups):
-                rows = slice(g * G, (g + 1) * G)
-                columns = {k: v[rows] for k, v in part.logged_columns.items()}
-                first = g == 0
-                out.append((group, RankRound([group], part.prompt_ids[rows], part.tool_counts if first else
-                                             ToolCounts(), part.per_func[rows], part.rewards[rows],
-                                             part.preemptions if first else 0, part.logged_metrics if first else {},
-                                             columns)))
-        return out
+        """DAPO's dynamic sampling (rounds.dynamic_round). -> (the kept groups' prompts, the round as one RankRound,
+        metrics)."""
+        return dynamic_round(self, params)
 
     def _call_rollout_func(self, data: Prompts, mine: list[int], n: int) -> Sampled:
         """TRL's rollout_func(prompts, trainer) for the samples of prompts `mine` (n each, prompt-major); its
@@ -653,7 +544,8 @@ class Trainer:
             output = self.rollout_func(prompts, self)
         except Exception as e:
             raise RewardError(f"rollout_func {self.config.rollout_func!r} raised {type(e).__name__}: {e}") from e
-        output = check_rollout(output, len(samples), len(self.tokenizer))
+        output = check_rollout(output, len(samples), len(self.tokenizer), self.config.max_completion_length,
+                               self.context_window)
         ids, logprobs = output["completion_ids"], output["logprobs"]
         if logprobs is None and self.config.importance_sampling_correction:
             raise RolloutError("rollout_func returned logprobs None, but importance_sampling_correction needs the "
@@ -706,14 +598,15 @@ class Trainer:
                 logged[name] += values
         timer.lap("rewards")
 
-        samples = [i for i in picked for _ in range(G)]  # [P*G] prompt index per completion
         completion_ids = [c.token_ids for c in completions]
-        if config.multi_objective_aggregation == "normalize_then_sum":
+        gdpo = config.multi_objective_aggregation == "normalize_then_sum"
+        check_rewards(rewards, per_func, self.rewards.metric_names, G, per_function=gdpo)
+        if gdpo:
             advantages, flat = decoupled_advantages(per_func, self.rewards.weights, G)
         else:
             advantages, _, flat = group_advantages(rewards, G, config.scale_rewards)
         if config.log_completions:
-            self._log_completions(samples, completion_ids, per_func, advantages, parts)
+            self._log_completions(completion_ids, per_func, advantages, parts)
         truncated = torch.tensor([c.finish_reason == "length" for c in completions])
         drop = config.mask_truncated_completions
         cut = truncated.tolist()
@@ -745,6 +638,7 @@ class Trainer:
                 rollout, config.importance_sampling_mode, config.importance_sampling_clip_min,
                 config.importance_sampling_clip_max)
         timer.lap("reference")
+        check_inputs(self.step, rollout, correct, self.rollout_func is not None)
 
         # 4. update
         with self._phase("train"):
@@ -794,11 +688,12 @@ class Trainer:
                                  epoch=self.order.epochs_done())
         return self.rewards(sampled.prompts, sampled.completions, completion_ids, columns, state)
 
-    def _log_completions(self, samples: list[int], completion_ids: list[list[int]], per_func: torch.Tensor,
-                         advantages: torch.Tensor, parts: list[RankRound]) -> None:
+    def _log_completions(self, completion_ids: list[list[int]], per_func: torch.Tensor, advantages: torch.Tensor,
+                         parts: list[RankRound]) -> None:
         """completions.jsonl rows of this round (rank 0 writes): prompt, completion, each reward, the advantage, and
         the columns the reward functions logged with log_extra (null for a rank's samples that logged none)."""
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        prompts = [prompt for part in parts for prompt in part.prompts]  # after an environment's reset
         columns = {column for part in parts for column in part.logged_columns}
         extra = {column: [] for column in columns}
         for part in parts:
@@ -807,10 +702,10 @@ class Trainer:
                 extra[column].extend(part.logged_columns.get(column, [None] * n))
         names = self.rewards.metric_names
         self.log.log_completions(self.step, [
-            {"prompt": self.train_prompts.prompts[i], "completion": texts[k],
+            {"prompt": prompts[k], "completion": texts[k],
              **{f"rewards/{name}": per_func[k, j].item() for j, name in enumerate(names)},
              "advantage": advantages[k].item(), **{column: values[k] for column, values in extra.items()}}
-            for k, i in enumerate(samples)])
+            for k in range(len(texts))])
 
     def _update(self, rollout: Rollout) -> dict:
         """num_iterations passes over the round. Each global micro-batch (per_device_train_batch_size * K samples
@@ -885,6 +780,7 @@ class Trainer:
                         window.append(entropy.detach())
                 max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
                 grad_norms.append(distributed.full_tensor(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)))
+                check_step(self.step, step_loss, grad_norms[-1], world, self.model, self._last_checkpoint)
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -974,7 +870,11 @@ class Trainer:
             for ref, policy in zip(self.ref_model.parameters(), self.model.parameters(), strict=True):
                 ref.mul_(1.0 - alpha).add_(policy, alpha=alpha)
 
+    def _last_checkpoint(self) -> str:
+        return last_checkpoint_said(checkpoint.latest(self.output_dir), self.output_dir)
+
     def save(self) -> Path:
+        check_weights(self.step, self.model, self.world, self._last_checkpoint)  # no checkpoint holds NaN or inf
         state = {"num_tokens": self.num_tokens, "seconds": self.seconds, "initial_accuracy": self.initial_accuracy,
                  "data": self.order.state_dict()}
         if self.entropy_control is not None:  # use_adaptive_entropy: its coefficient and last step's entropy

@@ -432,7 +432,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                  v_scale)  # fmt: skip
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     variant = Variant(sliding_window, softcap or None, None if s_aux is None else s_aux.float())
-    out = attend(q, k_cache, v_cache, view, scale, k_scale, v_scale, variant)  # [T, Hq, Dv]
+    out = attend(q, k_cache, v_cache, view, scale, k_scale, v_scale, variant=variant)  # [T, Hq, Dv]
     return out.to(query.dtype).unsqueeze(0), None
 
 

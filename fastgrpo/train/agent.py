@@ -146,22 +146,23 @@ class Agent:
         window with max_completion_length, within kv_cache_blocks' pool."""
         config = self.config
         ids = prompt_token_ids(self.tokenizer, prompt, dataclasses.replace(config, max_prompt_length=None), tools)
-        where = f"environment_factory: {environment}.reset(**row) made the prompt of the row {row!r:.100}"
+        where = (f"environment_factory: {environment}.reset(**row) made the prompt of the row {row!r:.100} "
+                 f"{len(ids)} tokens long")
         if config.max_prompt_length is not None and len(ids) > config.max_prompt_length:
-            raise RolloutError(f"{where} {len(ids)} tokens with its tools, more than max_prompt_length="
-                               f"{config.max_prompt_length}; prompts with tools are not cut (the tool schemas come "
-                               "first): raise max_prompt_length or set it to None")
+            raise RolloutError(f"{where} with its tools, more than max_prompt_length={config.max_prompt_length}; "
+                               "prompts with tools are not cut (the tool schemas come first): raise max_prompt_length "
+                               "or set it to None")
         window, m = self.context_window, config.max_completion_length
         if window is not None and len(ids) + m > window:
-            raise RolloutError(f"{where} {len(ids)} tokens, which with max_completion_length={m} exceed the "
-                               f"model's context window of {window} positions; lower max_completion_length or "
-                               "return a shorter text from reset()")
+            raise RolloutError(f"{where}, which with max_completion_length={m} exceeds the model's context window of "
+                               f"{window} positions; lower max_completion_length or return a shorter text from "
+                               "reset()")
         blocks = config.kv_cache_blocks
-        if blocks is not None and least_pages(len(ids), n, m, config.block_size) > blocks:
-            needed = least_pages(len(ids), n, m, config.block_size)
-            raise RolloutError(f"{where} {len(ids)} tokens: sampling it needs {needed} pages of {config.block_size} "
-                               f"tokens with max_completion_length={m}, more than kv_cache_blocks {blocks}; raise "
-                               "kv_cache_blocks or leave it unset")
+        needed = least_pages(len(ids), n, m, config.block_size)
+        if blocks is not None and needed > blocks:
+            raise RolloutError(f"{where}: sampling it needs {needed} pages of {config.block_size} tokens with "
+                               f"max_completion_length={m}, more than kv_cache_blocks {blocks}; raise kv_cache_blocks "
+                               "or leave it unset")
         return ids
 
     def _answer(self, turns: list[Turn], conversations: list[Conversation]

@@ -53,13 +53,14 @@ def check_rewards(rewards: torch.Tensor, per_func: torch.Tensor, names: list[str
         bad = (counted & ~spread).nonzero()
         if len(bad):
             g = int(bad[0])
-            shown = [None if math.isnan(x) else x for x in grouped[g].tolist()]
-            raise NonFiniteError(f"{what} of prompt group {g} are {shown}: their mean or standard deviation "
+            shown = ", ".join("None" if math.isnan(x) else f"{x:.6g}" for x in grouped[g].tolist())
+            raise NonFiniteError(f"{what} of prompt group {g} are [{shown}]: their mean or standard deviation "
                                  "overflows float32, where advantages are computed, so every advantage of the group "
                                  "would be 0 or wrong; scale the rewards down (|reward| well below 1e19)")
 
 
-def check_inputs(step: int, rollout: Rollout, importance_sampling: bool, rollout_func: bool) -> None:
+def check_inputs(step: int, rollout: Rollout, importance_sampling: bool, rollout_func: bool,
+                 last_checkpoint: Callable[[], str]) -> None:
     """The inputs of the loss, on loss tokens: the sampler's logprobs the importance-sampling correction reads, the
     old logprobs (the policy's no-grad forward) and the reference's."""
     masks = rollout.loss_mask
@@ -80,7 +81,8 @@ def check_inputs(step: int, rollout: Rollout, importance_sampling: bool, rollout
         if found is not None:
             i, t, value = found
             raise NonFiniteError(f"step {step}: the logprob of sample {i}'s completion token {t} is {value} in "
-                                 f"{said}; the step was stopped before the optimizer (no weight changed)")
+                                 f"{said}; the step was stopped before the optimizer (no weight changed)"
+                                 f"{last_checkpoint()}")
 
 
 def _non_finite_parameter(model: torch.nn.Module) -> str | None:
@@ -106,7 +108,7 @@ def check_step(step: int, loss: torch.Tensor, grad_norm: torch.Tensor, world, mo
               "the model's forward or backward overflowed (a lower --learning-rate, --max-grad-norm, or --bf16 off "
               "may help)")
     raise NonFiniteError(f"step {step}: the loss is {float(loss):g} and the gradient norm {float(grad_norm):g}: "
-                         f"{source}; the step was stopped before the optimizer (no weight changed); "
+                         f"{source}; the step was stopped before the optimizer (no weight changed)"
                          f"{last_checkpoint()}")
 
 
@@ -121,12 +123,9 @@ def check_weights(step: int, model: torch.nn.Module, world, last_checkpoint: Cal
         where = f" ({name})" if name is not None else " (on another process)"
         raise NonFiniteError(f"step {step}: the optimizer step made weights NaN or inf{where} from finite gradients "
                              "(the learning rate, or it times --weight-decay, overflows float32), so "
-                             f"checkpoint-{step} was not written; {last_checkpoint()}")
+                             f"checkpoint-{step} was not written{last_checkpoint()}")
 
 
-def last_checkpoint_said(latest, output_dir) -> str:
-    """The end of a NonFiniteError's line: where the run can go on from."""
-    if latest is None:
-        return (f"no checkpoint was written; fix the cause and run again (with --overwrite-output-dir if {output_dir} "
-                "is kept)")
-    return f"the last checkpoint, {latest}, is untouched (--resume continues from it)"
+def last_checkpoint_said(latest) -> str:
+    """The end of a NonFiniteError's line: where the run can go on from (nothing when it has no checkpoint)."""
+    return "" if latest is None else f"; the last checkpoint, {latest}, is untouched (--resume continues from it)"

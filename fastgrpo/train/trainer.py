@@ -638,7 +638,7 @@ class Trainer:
                 rollout, config.importance_sampling_mode, config.importance_sampling_clip_min,
                 config.importance_sampling_clip_max)
         timer.lap("reference")
-        check_inputs(self.step, rollout, correct, self.rollout_func is not None)
+        check_inputs(self.step, rollout, correct, self.rollout_func is not None, self._last_checkpoint)
 
         # 4. update
         with self._phase("train"):
@@ -871,7 +871,7 @@ class Trainer:
                 ref.mul_(1.0 - alpha).add_(policy, alpha=alpha)
 
     def _last_checkpoint(self) -> str:
-        return last_checkpoint_said(checkpoint.latest(self.output_dir), self.output_dir)
+        return last_checkpoint_said(checkpoint.latest(self.output_dir))
 
     def save(self) -> Path:
         check_weights(self.step, self.model, self.world, self._last_checkpoint)  # no checkpoint holds NaN or inf

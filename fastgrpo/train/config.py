@@ -72,7 +72,6 @@ TRL_ONLY = {
                     "log_completions writes every prompt and completion to completions.jsonl"),
     "log_completions_hub_repo": "fastgrpo uploads nothing to the hub",
     "log_multimodal": "vision-language models are not supported",
-    "router_aux_loss_coef": "a mixture-of-experts router loss is not added to the GRPO loss",
 }
 
 
@@ -112,6 +111,9 @@ class TrainConfig:
     attn_implementation: str | None = option(
         None, "transformers attention for training, e.g. sdpa or flash_attention_2 (which packs micro-batches "
               "padding-free); default: transformers' choice")
+    router_aux_loss_coef: float | None = option(
+        None, "weight of a mixture-of-experts model's router load-balancing loss, added to the GRPO loss as TRL adds "
+              "it; None: the model config's own (Qwen3-MoE 0.001, OLMoE 0.01); 0: none")
     use_liger_kernel: bool = option(
         False, "swap in liger-kernel's RMSNorm, RoPE and SwiGLU kernels (needs liger-kernel)", aliases=("--liger",))
     trust_remote_code: bool = option(False, "allow model code from the hub")
@@ -123,7 +125,16 @@ class TrainConfig:
     lora_r: int = option(16, "LoRA rank")
     lora_alpha: int = option(32, "LoRA alpha")
     lora_dropout: float = option(0.05, "LoRA dropout")
-    lora_target_modules: list[str] = option(["all-linear"], "modules that get LoRA adapters")
+    lora_target_modules: list[str] = option(
+        ["all-linear"], "modules that get LoRA adapters; all-linear: every linear layer but the output head and an "
+                        "MoE's routers")
+    lora_experts: bool = option(
+        True, "LoRA on the experts of a mixture-of-experts model (peft's target_parameters on their fused 3-D weights: "
+              "Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss, Gemma 4); such adapters take no dropout, so it needs "
+              "lora_dropout 0. --no-lora-experts leaves the experts frozen")
+    lora_target_parameters: list[str] | None = option(
+        None, "parameters that get LoRA adapters (peft's target_parameters, e.g. mlp.experts.gate_up_proj); None: the "
+              "experts' weights with lora_experts")
     # -- data --
     dataset_name: str | None = option(
         None, f"a .jsonl/.json/.parquet file, a `datasets` hub name, or '{BUILTIN}' (the synthetic arithmetic task)")
@@ -390,6 +401,11 @@ class TrainConfig:
         if self.dataset_streaming and self.dataset_name in (None, BUILTIN):
             raise ValueError(f"dataset_streaming reads a dataset as a stream; dataset_name {self.dataset_name!r} is "
                              "not one (give a hub dataset or a file)")
+        if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
+            raise ValueError(f"router_aux_loss_coef must be None or >= 0, got {self.router_aux_loss_coef!r}")
+        if self.lora_target_parameters and not self.lora_experts:
+            raise ValueError("lora_target_parameters and lora_experts off contradict each other (the named "
+                             "parameters would get LoRA); pass one")
         if self.load_in_4bit and not self.use_peft:
             raise ValueError("load_in_4bit needs use_peft: a 4-bit base is frozen, so train LoRA adapters on it "
                              "(--use-peft)")

@@ -15,6 +15,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, ModelOutput
 from fastgrpo.loss import head_transform
 from fastgrpo.sampling.engine import context_window
 from fastgrpo.train.config import BUILTIN, TrainConfig, is_local_path, read_utf8, train_dtype
+from fastgrpo.train.lora import add_adapters
+from fastgrpo.train.moe import router_aux_loss_coef
 from fastgrpo.train.quantization import bitsandbytes, four_bit, keep_trainable
 from fastgrpo.train.tiling import apply_layer_memory_options, use_mask_free_sdpa
 
@@ -265,6 +267,7 @@ def load_policy(config: TrainConfig, device: torch.device, checkpoint: Path | No
     dtype = train_dtype(config, device.type)
     path = str(checkpoint) if checkpoint is not None and not config.use_peft else model_path(config)
     model = _from_pretrained(path, config, dtype, device, quantize=config.load_in_4bit)
+    router_aux_loss_coef(config.router_aux_loss_coef, model)  # its check, before LoRA
     if config.gradient_checkpointing:
         # Newer transformers renamed gradient_checkpointing_enable (kept, deprecated); >= 4.56 is supported.
         if hasattr(model, "activation_checkpointing_enable"):
@@ -278,16 +281,13 @@ def load_policy(config: TrainConfig, device: torch.device, checkpoint: Path | No
     model.config.use_cache = False
     if config.use_peft:
         try:
-            from peft import LoraConfig, PeftModel, get_peft_model
+            from peft import PeftModel
         except ImportError as e:
             raise ImportError("use_peft needs peft: pip install peft") from e
         if checkpoint is not None:
             model = PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
         else:
-            lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                              target_modules=config.lora_target_modules if config.lora_target_modules != ["all-linear"]
-                              else "all-linear", task_type="CAUSAL_LM")
-            model = get_peft_model(model, lora)
+            model = add_adapters(config, model)
     apply_layer_memory_options(model, config.mlp_tile_tokens, config.use_peft and config.recompute_lora_inputs,
                                config.recompute_norms)
     return model

@@ -18,10 +18,15 @@ import torch
 from fastgrpo.loss import fused_grpo_loss, grpo_loss, token_logprobs
 from fastgrpo.loss_config import LossConfig
 from fastgrpo.models import find_hf_model
+from fastgrpo.train.moe import load_balancing_loss
 
 # The metric `masked_grpo_loss` adds for the trainer, which pops it: [summed entropy, count] over the share's bonus
 # tokens (the adaptive controller's window).
 BONUS_ENTROPY = "bonus_entropy"
+# An MoE's router load-balancing loss of a micro-batch (TRL's metric), and the term the trainer pops and adds to the
+# loss: router_aux_loss_coef times it.
+AUX_LOSS = "aux_loss"
+ROUTER_LOSS = "router_loss"
 
 
 def completion_hidden(model: torch.nn.Module, sequences: list[list[int]], prompt_lengths: list[int],
@@ -32,6 +37,14 @@ def completion_hidden(model: torch.nn.Module, sequences: list[list[int]], prompt
     sequences[i] = prompt_i + completion_i. Packed: one row, positions restarting per sequence (flash-attn varlen,
     or transformers' block-diagonal mask elsewhere). Padded: right-padded to the longest sequence.
     """
+    output, starts, _ = backbone_forward(model, sequences, packed)
+    return completion_rows(output.last_hidden_state, starts, sequences, prompt_lengths, max_completion)
+
+
+def backbone_forward(model: torch.nn.Module, sequences: list[list[int]], packed: bool, **kwargs):
+    """(the backbone's output on `sequences` packed in one row or right-padded, as completion_hidden runs it; the flat
+    index of each sequence's first token [B]; the real tokens of the flattened rows [rows] bool, None when packed).
+    `kwargs` go to the backbone (output_router_logits=True)."""
     net = find_hf_model(model)
     backbone = getattr(net, net.base_model_prefix)
     device = net.get_input_embeddings().weight.device
@@ -39,24 +52,29 @@ def completion_hidden(model: torch.nn.Module, sequences: list[list[int]], prompt
     if packed:
         input_ids = torch.tensor([t for s in sequences for t in s])[None]  # [1, sum L]
         position_ids = torch.cat([torch.arange(n) for n in lengths])[None]  # [1, sum L]
-        hidden = backbone(input_ids=input_ids.to(device), position_ids=position_ids.to(device),
-                          use_cache=False).last_hidden_state
-        starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)  # [B]
-    else:
-        L = max(lengths)
-        input_ids = torch.zeros(len(sequences), L, dtype=torch.long)  # [B, L]
-        attention_mask = torch.zeros(len(sequences), L, dtype=torch.long)  # [B, L]
-        for i, s in enumerate(sequences):
-            input_ids[i, : len(s)] = torch.tensor(s)
-            attention_mask[i, : len(s)] = 1
-        hidden = backbone(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                          use_cache=False).last_hidden_state
-        starts = torch.arange(len(sequences)) * L  # [B]
+        output = backbone(input_ids=input_ids.to(device), position_ids=position_ids.to(device), use_cache=False,
+                          **kwargs)
+        return output, torch.tensor([0, *lengths[:-1]]).cumsum(0), None  # [B]
+    L = max(lengths)
+    input_ids = torch.zeros(len(sequences), L, dtype=torch.long)  # [B, L]
+    attention_mask = torch.zeros(len(sequences), L, dtype=torch.long)  # [B, L]
+    for i, s in enumerate(sequences):
+        input_ids[i, : len(s)] = torch.tensor(s)
+        attention_mask[i, : len(s)] = 1
+    attention_mask = attention_mask.to(device)
+    output = backbone(input_ids=input_ids.to(device), attention_mask=attention_mask, use_cache=False, **kwargs)
+    return output, torch.arange(len(sequences)) * L, attention_mask.view(-1) != 0  # [B], [B * L]
+
+
+def completion_rows(hidden: torch.Tensor, starts: torch.Tensor, sequences: list[list[int]], prompt_lengths: list[int],
+                    max_completion: int) -> torch.Tensor:
+    """The rows of `hidden` [1 or B, L, H] (backbone_forward's, sequence i from flat row starts[i]) that predict each
+    completion token: [B, max_completion, H]."""
     hidden = hidden.reshape(-1, hidden.shape[-1])  # [tokens, H]
     offsets = torch.arange(max_completion)  # [T]
-    last = torch.tensor(lengths) - 1  # [B] the final token predicts nothing
+    last = torch.tensor([len(s) for s in sequences]) - 1  # [B] the final token predicts nothing
     rows = starts[:, None] + torch.minimum(torch.tensor(prompt_lengths)[:, None] - 1 + offsets, last[:, None] - 1)
-    return hidden[rows.to(device)]  # [B, T, H]
+    return hidden[rows.to(hidden.device)]  # [B, T, H]
 
 
 def lm_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -233,11 +251,13 @@ class PolicyLoss(torch.nn.Module):
     root: the embeddings, final norm and lm_head (tied or not) are whole inside both, so the fused head reads the full
     weight and FSDP reduce-scatters its gradient like any other; under DDP it is the module DDP wraps."""
 
-    def __init__(self, model: torch.nn.Module, packed: bool, head: dict):
+    def __init__(self, model: torch.nn.Module, packed: bool, head: dict, router_aux_loss_coef: float = 0.0):
         super().__init__()
         self.model = model
         self.packed = packed
         self.head = head  # the model's logit transform {logit_scale, logit_softcap} (check_head)
+        # An MoE's router load-balancing loss (moe.router_aux_loss_coef): forward returns it weighted, as ROUTER_LOSS
+        self.router_aux_loss_coef = router_aux_loss_coef
 
     def hidden(self, mb) -> torch.Tensor:
         """The backbone's last hidden states that predict micro-batch `mb`'s completion tokens: [b, T, H]."""
@@ -265,8 +285,20 @@ class PolicyLoss(torch.nn.Module):
 
     def forward(self, mb, config: LossConfig, num_items_in_batch: float | None = None,
                 masks: TokenMasks | None = None):
-        """`loss(hidden(mb), ...)`: the pass DDP and FSDP2 wrap (a memory trace counts its two parts apart)."""
-        return self.loss(self.hidden(mb), mb, config, num_items_in_batch, masks)
+        """`loss(hidden(mb), ...)`: the pass DDP and FSDP2 wrap (a memory trace counts its two parts apart). With
+        router_aux_loss_coef, the metrics also hold the micro-batch's load-balancing loss over its real tokens
+        (prompts and completions, as TRL's forward counts them): AUX_LOSS, and ROUTER_LOSS = the coefficient times
+        it, differentiable, which the trainer adds to the loss (TRL adds it outside the loss type's normalisation)."""
+        if not self.router_aux_loss_coef:
+            return self.loss(self.hidden(mb), mb, config, num_items_in_batch, masks)
+        net = find_hf_model(self.model)
+        output, starts, real = backbone_forward(self.model, mb.sequences, self.packed, output_router_logits=True)
+        hidden = completion_rows(output.last_hidden_state, starts, mb.sequences, mb.prompt_lengths, mb.mask.shape[1])
+        aux = load_balancing_loss(output.router_logits, net.config.get_text_config().num_experts_per_tok, real)
+        loss, metrics = self.loss(hidden, mb, config, num_items_in_batch, masks)
+        metrics[AUX_LOSS] = aux.detach()
+        metrics[ROUTER_LOSS] = self.router_aux_loss_coef * aux
+        return loss, metrics
 
     def logprobs(self, mb, temperature: float = 1.0) -> torch.Tensor:
         """Logprobs of the completion tokens of micro-batch `mb`: [b, T] fp32 (one GEMM per chunk without grad)."""

@@ -91,6 +91,7 @@ from fastgrpo.train.logs import (
     reward_metrics,
     summary_line,
 )
+from fastgrpo.train.moe import router_aux_loss_coef
 from fastgrpo.train.plan import (
     check_kv_cache_blocks,
     describe_peak,
@@ -335,7 +336,8 @@ class Trainer:
         self.loss_options = model_loss_options(config, self.head)
         self.entropy_control = EntropyControl.of(config) if config.use_adaptive_entropy else None
         # The modules whose forward runs a micro-batch: the root that FSDP shards, or the module DDP wraps.
-        self.policy = PolicyLoss(self.model, self.packed, self.head)
+        self.policy = PolicyLoss(self.model, self.packed, self.head,
+                                 router_aux_loss_coef(config.router_aux_loss_coef, find_hf_model(self.model)))
         self.reference = None if self.ref_model is None else PolicyLoss(self.ref_model, self.packed, self.head)
         self.train_module = self._parallelize()
         # Under FSDP2 the layers keep FSDP's forward hooks while sampling (no-ops on unsharded weights, but they
@@ -717,7 +719,7 @@ class Trainer:
         process computes on the whole micro-batch. Every micro-batch of an optimizer step applies the entropy
         coefficient the step starts with: entropy_coef, or with use_adaptive_entropy `self.entropy_control`'s, which
         the step's entropy over its bonus tokens (all micro-batches, all ranks: one exchange) then updates."""
-        from fastgrpo.train.policy_loss import BONUS_ENTROPY, TokenMasks
+        from fastgrpo.train.policy_loss import BONUS_ENTROPY, ROUTER_LOSS, TokenMasks
 
         config, world = self.config, self.world
         self.train_module.train()
@@ -761,6 +763,7 @@ class Trainer:
                         loss, micro_metrics = self.train_module(
                             mb, options, num_items if token_normalised else None, masks)
                         entropy = micro_metrics.pop(BONUS_ENTROPY, None)
+                        router = micro_metrics.pop(ROUTER_LOSS, None)  # an MoE's coef x load-balancing loss
                         policy = micro_metrics.pop("policy_loss", None)
                         if bonus:  # TRL's policy_loss: the loss before the bonus
                             if policy is None:
@@ -768,8 +771,11 @@ class Trainer:
                             micro_metrics["policy_loss"] = policy * (scale / world.size)
                         if not token_normalised:
                             loss = loss / config.gradient_accumulation_steps
-                        (loss * scale).backward()
-                    step_loss = step_loss + loss.detach() * (scale / world.size)
+                        loss = loss * scale
+                        if router is not None:  # TRL's: / accumulation steps, each process's own (DDP averages them)
+                            loss = loss + router / config.gradient_accumulation_steps
+                        loss.backward()
+                    step_loss = step_loss + loss.detach() / world.size
                     for key, value in micro_metrics.items():
                         metrics[key].append(value.detach())
                     weights.append((sum(tokens[i] for i in index), len(index)))

@@ -156,9 +156,13 @@ def test_plan_counts_the_layer_options_and_fp8_kv():
     their inputs as they come instead of fp32 copies (and no [T, H] fp32 temporaries in the backward), fp8 halves the
     KV pool."""
     from fastgrpo.bench.memory_plan import qwen3_8b_config
-    from fastgrpo.train.plan import attention_saved_per_token, mlp_saved_per_token
+    from fastgrpo.train.layer_bytes import attention_saved_per_token as attention_saved
+    from fastgrpo.train.layer_bytes import mlp_saved_per_token as mlp_saved
 
     shapes = model_shapes(model_config(make_config_for(QWEN_7B)))
+    (layer,) = shapes.kinds  # every layer alike
+    attention_saved_per_token = lambda s, config, b: attention_saved(s, layer, config, b)
+    mlp_saved_per_token = lambda s, config, b: mlp_saved(s, layer, config, b)
     H, inter, q = shapes.hidden, shapes.intermediate, shapes.heads * shapes.head_dim
     tokens, T = 8 * (256 + 1024), 256 + 1024
     backward = lambda **o: plan_memory(make_config_for(QWEN_7B, use_peft=True, bf16=True, **o),

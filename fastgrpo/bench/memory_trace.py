@@ -256,21 +256,27 @@ def _load_config(model_config):
 
 
 def _quantize_4bit(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Replaces every nn.Linear but the output head by a bitsandbytes Linear4bit (QLoRA's NF4, blocks of 64, double
-    quantization, computing in `dtype`, as fastgrpo.train.quantization.four_bit asks for). Inside fake mode;
-    returns the number of layers replaced."""
+    """Replaces every nn.Linear and transformers Conv1D (GPT-2) but the output head by a bitsandbytes Linear4bit
+    (QLoRA's NF4, blocks of 64, double quantization, computing in `dtype`, as fastgrpo.train.quantization.four_bit
+    asks for; a Conv1D's [in, out] weight transposed, as transformers' bitsandbytes loading does). Experts' 3-D
+    weights are not linear layers and stay as they are. Inside fake mode; returns the number of layers replaced."""
+    from fastgrpo.train.shapes import is_linear, linear_shape
+
     bnb = _bnb_qmaps()
     head = model.get_output_embeddings()
     targets = [(name, module) for name, module in model.named_modules()
-               if type(module) is torch.nn.Linear and module is not head]
+               if is_linear(module) and type(module) is not bnb.nn.Linear4bit and module is not head]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        in_features, out_features = linear_shape(linear)
         with _no_fake():  # its Params4bit on the real meta device
-            layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False, compute_dtype=dtype,
+            layer = bnb.nn.Linear4bit(in_features, out_features, bias=False, compute_dtype=dtype,
                                       compress_statistics=True, quant_type="nf4", quant_storage=torch.uint8,
                                       device="meta")
-        packed, state = bnb.functional.quantize_4bit(linear.weight.detach(), blocksize=64, compress_statistics=True,
+        weight = linear.weight.detach()
+        weight = weight if isinstance(linear, torch.nn.Linear) else weight.t()  # [out, in]
+        packed, state = bnb.functional.quantize_4bit(weight, blocksize=64, compress_statistics=True,
                                                      quant_type="nf4", quant_storage=torch.uint8)
         weight = torch.nn.Parameter(packed, requires_grad=False)
         # What Params4bit would hold: bitsandbytes and peft read these attributes.
@@ -319,11 +325,12 @@ class _Built:
 def _build(config, dtype, *, use_peft, lora_r, lora_alpha, lora_dropout, load_in_4bit, gradient_checkpointing,
            offload_activations, attn_implementation, live: LiveBytes | None, mlp_tile_tokens: int | None = None,
            recompute_lora_inputs: bool = False, mask_free_attention: bool = False,
-           recompute_norms: bool = False) -> _Built:
+           recompute_norms: bool = False, lora_experts: bool | None = None) -> _Built:
     """fastgrpo.train.loading.load_policy on fake tensors: the model from its config (nothing allocated), 4-bit linears,
     SDPA without a mask for right-padded batches (mask_free_attention), gradient checkpointing (and offload),
-    use_cache off, then LoRA on all linear layers but the head, then the tiled MLP, LoRA inputs kept as they come and
-    recomputed norms (fastgrpo.train.tiling.apply_layer_memory_options, as load_policy calls it)."""
+    use_cache off, then LoRA as load_policy adds it (fastgrpo.train.lora.add_adapters: every linear layer but the
+    head and the routers, and with lora_experts an MoE's experts), then the tiled MLP, LoRA inputs kept as they come
+    and recomputed norms (fastgrpo.train.tiling.apply_layer_memory_options, as load_policy calls it)."""
     from transformers import AutoModelForCausalLM
 
     fake = _fake_mode()
@@ -353,14 +360,22 @@ def _build(config, dtype, *, use_peft, lora_r, lora_alpha, lora_dropout, load_in
             raise ValueError("offload_activations needs gradient_checkpointing")
         model.config.use_cache = False
         if use_peft:
-            from peft import LoraConfig, get_peft_model
+            from fastgrpo.train.lora import add_adapters
 
-            model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                                                     target_modules="all-linear", task_type="CAUSAL_LM"))
+            model = add_adapters(_lora_config(lora_r, lora_alpha, lora_dropout, lora_experts), model)
         from fastgrpo.train.tiling import apply_layer_memory_options
 
         apply_layer_memory_options(model, mlp_tile_tokens, use_peft and recompute_lora_inputs, recompute_norms)
     return _Built(model, fake, offload)
+
+
+def _lora_config(lora_r: int, lora_alpha: int, lora_dropout: float, lora_experts: bool | None):
+    """A TrainConfig with these LoRA options (the rest TrainConfig's defaults), for add_adapters."""
+    from fastgrpo.train.config import TrainConfig
+
+    experts = {} if lora_experts is None else {"lora_experts": lora_experts}
+    return TrainConfig(model_name_or_path="trace", dataset_name="builtin", use_peft=True, lora_r=lora_r,
+                       lora_alpha=lora_alpha, lora_dropout=lora_dropout, **experts)
 
 
 def _optimizer(parameters: list[torch.Tensor], optim: str, defaults: dict) -> torch.optim.Optimizer:
@@ -399,16 +414,17 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
                      gradient_checkpointing: bool = True, attn_implementation: str | None = None,
                      loss_type: str = "dapo", head: str = "cpu", mlp_tile_tokens: int | None = None,
                      recompute_lora_inputs: bool | None = None, mask_free_attention: bool | None = None,
-                     recompute_norms: bool | None = None) -> dict:
+                     recompute_norms: bool | None = None, lora_experts: bool | None = None) -> dict:
     """One training micro-batch of fastgrpo's trainer at real shapes on fake CPU tensors: bytes by phase.
 
     `model_config`: a transformers config or a folder with a config.json. The model is built as load_policy builds
-    it (4-bit linears, gradient checkpointing, offload, LoRA r / alpha / dropout on all linear layers but the head;
-    alpha and dropout default to TrainConfig's; fastgrpo/train/tiling.py's layer memory options `mlp_tile_tokens`,
-    `recompute_lora_inputs`, `mask_free_attention` and `recompute_norms`, the last three TrainConfig's defaults (on)
-    unless given); the
-    micro-batch is `micro_batch` sequences of `prompt_length` + `completion_length` tokens, every completion token
-    scored; first its no-grad logprobs (eval mode), then the trainer's update: PolicyLoss forward (the fused loss,
+    it (4-bit linears, gradient checkpointing, offload, LoRA r / alpha / dropout as add_adapters places it, on an
+    MoE's experts too with `lora_experts`; alpha, dropout and lora_experts default to TrainConfig's;
+    fastgrpo/train/tiling.py's layer memory options `mlp_tile_tokens`, `recompute_lora_inputs`, `mask_free_attention`
+    and `recompute_norms`, the last three TrainConfig's defaults (on) unless given); the fused loss applies the model's
+    own logit transform (fastgrpo.loss.head_transform: Gemma's final-logit softcap); the micro-batch is `micro_batch`
+    sequences of `prompt_length` + `completion_length` tokens, every completion token scored; first its no-grad
+    logprobs (eval mode), then the trainer's update: PolicyLoss forward (the fused loss,
     `loss_type`, with ref logprobs when beta > 0), backward, clip_grad_norm_, the optimizer step (AdamW with
     foreach=True, or bitsandbytes' AdamW8bit for optim="adamw_8bit") and zero_grad. The optimizer's states are made
     by a step before the trace (a steady-state step: they are live throughout).
@@ -431,8 +447,8 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
                           emulates: "cpu", or "cuda" for the CUDA branch, see the module docstring)
     """
     from fastgrpo import chunked
+    from fastgrpo.loss import head_transform
     from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES, LossConfig
-    from fastgrpo.train.loading import PLAIN_HEAD
     from fastgrpo.train.policy_loss import PolicyLoss
     from fastgrpo.train.rollout import MicroBatch
 
@@ -452,13 +468,15 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
                    else recompute_lora_inputs,
                    mask_free_attention=defaults["mask_free_attention"] if mask_free_attention is None
                    else mask_free_attention,
-                   recompute_norms=defaults["recompute_norms"] if recompute_norms is None else recompute_norms)
+                   recompute_norms=defaults["recompute_norms"] if recompute_norms is None else recompute_norms,
+                   lora_experts=lora_experts)
     model, fake = built.model, built.fake
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = _optimizer(parameters, optim, defaults)
     b, P, T = micro_batch, prompt_length, completion_length
-    policy = PolicyLoss(model, packed=False, head=dict(PLAIN_HEAD))
-    loss_options = LossConfig(loss_type=loss_type, beta=beta, max_completion_length=T, **PLAIN_HEAD)
+    transform = head_transform(config)
+    policy = PolicyLoss(model, packed=False, head=dict(transform))
+    loss_options = LossConfig(loss_type=loss_type, beta=beta, max_completion_length=T, **transform)
     num_items = float(b * T) if loss_type in TOKEN_NORMALISED_LOSS_TYPES else None
     result = {}
     with fake:
@@ -607,9 +625,11 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
     Live while the trainer samples a round: the policy as load_policy builds it for training (4-bit linears, LoRA r 16
     on all linear layers, the tiled MLP and LoRA inputs as they come; the engine runs its no-grad forward), the
     optimizer's states of a steady step (gradients are freed after each step), and what Engine.generate allocates for
-    a round of `num_prompts` x `num_generations` completions of up to `completion_length` tokens: the KV pool of
-    `kv_blocks` pages and its scratch page (the model's dtype, or e4m3 with kv_cache_dtype="fp8" and its [layers, 2,
-    Hkv] fp32 scales), the output buffers (Outputs, 20 bytes a token) and the decode rows (DecodeBatch). Then the
+    a round of `num_prompts` x `num_generations` completions of up to `completion_length` tokens: the KV cache
+    (fastgrpo.sampling.kv_cache.KVCache over the engine's layer model: the logical pool of `kv_blocks` pages for the
+    full-attention layers and, per sliding window, its pool of plan.window_group_pages pages, each with its scratch
+    page; the model's dtype, or e4m3 with kv_cache_dtype="fp8" and its [layers, 2, Hkv] fp32 scales), the output
+    buffers (Outputs, 20 bytes a token) and the decode rows (DecodeBatch, a page table per pool). Then the
     engine's two largest steps, each a forward (Engine._eager_forward through transformers' layers) and its sampler
     (Engine._sample, the PyTorch sampler with `params`, default temperature 1):
 
@@ -623,7 +643,7 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
     Returns bytes (but "seconds"):
         weights           parameters, buffers and 4-bit quantization states (the LoRA weights among them)
         optimizer_states  AdamW's states after a step
-        kv_cache          the pool, its scratch page and the fp8 scales
+        kv_cache          the pools, their scratch pages and the fp8 scales (kv_pools: each pool's pages)
         buffers           Outputs and DecodeBatch
         prefill, decode   the peak of each step (everything live counted)
         sampling          the larger of the two: the phase's peak
@@ -631,7 +651,9 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
     from fastgrpo.sampling.batch import DecodeBatch, Outputs
     from fastgrpo.sampling.block_pool import blocks_for
     from fastgrpo.sampling.engine import Engine, HostBatch
+    from fastgrpo.sampling.kv_cache import KVCache
     from fastgrpo.sampling.params import EngineConfig, SamplingParams
+    from fastgrpo.train.plan import window_group_pages
 
     if kv_cache_dtype not in ("auto", "fp8"):
         raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
@@ -662,22 +684,25 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
         with live, _AssumeValid(), engine._sampling_mode():
             before = live.current
             kv_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else engine.dtype
-            kv_cache = torch.zeros(engine.num_layers, 2, kv_blocks + 1, block_size, engine.num_kv_heads,
-                                   engine.head_dim, dtype=kv_dtype)
+            windows = engine.layer_model.windows  # the engine's pools: the logical one, then one per window
+            pools = [kv_blocks, *(window_group_pages(w, kv_blocks, block_size, engine_config.max_num_seqs,
+                                                     engine_config.max_num_batched_tokens) for w in windows)]
+            kv_cache = KVCache(engine.layer_model, pools, block_size, kv_dtype, engine.device)
             if kv_cache_dtype == "fp8":  # (Engine computes them from the weights: kv_scales)
                 engine._kv_scales = torch.ones(engine.num_layers, 2, engine.num_kv_heads)
             result["kv_cache"] = live.current - before
+            result["kv_pools"] = pools
             before = live.current
             outputs = Outputs(P * G, completion_length, engine.device, None if params.greedy else 0)
             batch = DecodeBatch(max(min(engine_config.max_num_seqs, engine_config.max_num_batched_tokens), G), width,
-                                block_size, engine.device)
+                                block_size, engine.device, tables=lambda logical: [logical] * len(pools))
             result["buffers"] = live.current - before
             # the first step: the prompts, packed (the scheduler's chunks of at most max_num_batched_tokens)
             tokens = min(engine_config.max_num_batched_tokens, P * T)
             lengths = [min(T, tokens - i * T) for i in range(-(-tokens // T))]
             host = HostBatch(input_ids=[0] * tokens, positions=[p for n in lengths for p in range(n)],
-                             slots=list(range(tokens)), query_lens=lengths, context_lens=lengths,
-                             block_tables=[[0] * width for _ in lengths],
+                             slots=[list(range(tokens))] * len(pools), query_lens=lengths, context_lens=lengths,
+                             block_tables=[[[0] * width for _ in lengths]] * len(pools),
                              last_tokens=[sum(lengths[: i + 1]) - 1 for i in range(len(lengths))],
                              sample_counts=[G] * len(lengths))
             u = None if params.greedy else torch.empty(G * len(lengths), dtype=torch.float64)
@@ -821,8 +846,9 @@ def measure_trainer_step(trainer) -> dict:
 
         base        the policy's (and reference's) parameters and buffers and the optimizer's states at the start
         sampling, logprobs, train   the phases' peaks (everything live counted, base included)
-        kv_pool     the engine's KV pool of that step (its num_blocks + 1 pages: it is sized from free memory on a
-                    CPU too, capped at what the call can use), in the sampling peak: compare a plan net of it
+        kv_pool     the engine's KV pools of that step (num_blocks + 1 logical pages, window_blocks + 1 per window: it
+                    is sized from free memory on a CPU too, capped at what the call can use), in the sampling peak:
+                    compare a plan net of it
         step        the peak over the whole step
     """
     models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
@@ -836,9 +862,11 @@ def measure_trainer_step(trainer) -> dict:
     finally:
         trainer.phase_hooks.remove(hook)
     engine = trainer.engine
-    itemsize = torch.empty((), dtype=engine.dtype).element_size()
-    pool = (engine.num_layers * 2 * (engine.stats.num_blocks + 1) * engine.config.block_size * engine.num_kv_heads
-            * engine.head_dim * itemsize)
+    itemsize = torch.empty((), dtype=engine.kv_dtype).element_size()
+    pages = [engine.stats.num_blocks, *engine.stats.window_blocks]  # per pool, as the engine's layer model orders them
+    model = engine.layer_model
+    pool = sum((pages[model.pool_of(layer.slot)] + 1) * engine.config.block_size * layer.kv_heads
+               * (layer.key_dim + layer.value_dim) * itemsize for layer in model.layers if layer.owns_pages)
     return {"base": live.base, **{name: live.peaks.get(name) for name in ("sampling", "logprobs", "train")},
             "kv_pool": pool, "step": live.peaks["step"]}
 

@@ -2,19 +2,22 @@
 
 `fastgrpo plan` prints it, `fastgrpo train` logs it at the start, and `fastgrpo train --auto-fit` applies it: the
 largest micro-batch, the KV pool and the loss chunk that fit `gpu_memory`. The model is built on the meta device
-(no weights read or allocated), which gives every parameter's shape exactly; the rest are formulas over the shapes,
-written out with their derivations in benchmarks/NOTES.md ("Memory plan") and checked against live-tensor traces of
-real runs (fastgrpo/bench/memory_trace.py, `fastgrpo bench memory-plan`).
+(no weights read or allocated) and read layer by layer (fastgrpo/train/shapes.py: each layer's heads, head dims,
+window, shared KV, MLP or experts; LoRA as load_policy adds it); the rest are formulas over the shapes
+(fastgrpo/train/layer_bytes.py), written out with their derivations in benchmarks/NOTES.md ("Memory plan") and
+checked against live-tensor traces of real runs (fastgrpo/bench/memory_trace.py, `fastgrpo bench memory-plan`).
 
 Phases (bytes of live tensors; the CUDA context and allocator slack are the `RESERVE` left out of gpu_memory):
-    sampling   weights + trainable state + the KV pool + one engine forward (a token budget) and the sampler
+    sampling   weights + trainable state + the KV pools (kv_pool_bytes: the logical pool of the full-attention layers
+               and one smaller pool per sliding window) + one engine forward (a token budget) and the sampler
     logprobs   weights + trainable state + the larger of a no-grad micro-batch forward's last layer and the head's
                no-grad chunk with the final hidden states
     train      weights + trainable state + gradients + one micro-batch's checkpointed layer inputs, the recompute of
                one layer in the backward and the fused loss's chunk and gradients, + the optimizer step's states
 A layer's terms follow the layer memory options (mlp_tile_tokens, recompute_lora_inputs, mask_free_attention,
 recompute_norms: fastgrpo/train/tiling.py), the KV pool kv_cache_dtype (fp8: a byte per value); `auto_fit` states its
-order of preference.
+order of preference. Each moment of a layer is evaluated for every kind of layer the model has (Gemma 3's sliding and
+full layers, Gemma 4's KV-shared ones) and the largest taken.
 Sequences are planned at their longest, as a micro-batch pads to its longest: the training data's longest prompt
 (`fastgrpo train`) or max_prompt_length (`fastgrpo plan`, which reads no data), plus max_completion_length.
 """
@@ -25,10 +28,23 @@ from dataclasses import dataclass, field
 import torch
 
 from fastgrpo.sampling.block_pool import blocks_for, least_pages, most_pages
-from fastgrpo.sampling.engine import available_memory
 from fastgrpo.sampling.params import EngineConfig
 from fastgrpo.sizes import GiB
 from fastgrpo.train.config import TrainConfig, train_dtype
+from fastgrpo.train.layer_bytes import (
+    engine_forward_per_token,
+    expert_weight_bytes,
+    layer_backward_bytes,
+    layer_mask_bytes,
+    layer_saved_per_token,
+    logprobs_forward_bytes,
+    shared_kv_values,
+    train_forward_bytes,
+)
+from fastgrpo.train.shapes import LayerShape, Shapes, model_shapes
+
+__all__ = ["Plan", "Shapes", "auto_fit", "check_kv_cache_blocks", "format_plan", "model_shapes", "plan_memory",
+           "plan_run", "window_group_pages"]
 
 # Left out of the device's memory before planning: the CUDA context with cuBLAS, Triton's modules and the decode
 # graphs' pools (~0.5-0.8 GiB), NCCL's buffers under torchrun (~0.2 GiB), and the caching allocator's fragmentation
@@ -41,49 +57,9 @@ SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 8  # fp32 logits, exp, fp64 cdf (fastgrpo/samp
 ENGINE = EngineConfig()  # the defaults the trainer's engine runs with
 CUDA_LOSS_BYTES_PER_LOGIT = 4 + 2  # fp32 logits and the bf16 dZ of a chunk (fastgrpo/chunked.py)
 OUTPUT_BYTES_PER_TOKEN = 8 + 4 + 8  # the engine's Outputs per token it may sample: int64 id, fp32 logprob, fp64 uniform
-DECODE_ROW_BYTES = 4 * 8  # DecodeBatch's int64 context, last token, output row and count per row (+ its page table)
-
-
-@dataclass(slots=True)
-class Shapes:
-    """What the plan needs of a model, read off a meta-device build of its config."""
-
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    params: int  # every parameter (a tied head once)
-    linear_params: int  # the decoder layers' linear weights (what 4-bit quantizes and LoRA adapts)
-    linears: list[tuple[int, int]]  # (in, out) of every linear layer in the decoder layers
-    linear_inputs: int  # per token, the summed input width of one layer's linears (LoRA dropout copies)
-    head_norms: bool = False  # RMSNorms over each head's q and k (Qwen3's q_norm, k_norm)
-
-
-def model_shapes(model_config) -> Shapes:
-    """Shapes of the causal LM `model_config` describes, from a build on the meta device (nothing allocated)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
-    text = model_config.get_text_config()
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    layers = next(m for m in decoder.modules() if isinstance(m, torch.nn.ModuleList))
-    linears = [(m.in_features, m.out_features) for m in layers.modules() if isinstance(m, torch.nn.Linear)]
-    first = [(m.in_features, m.out_features) for m in layers[0].modules() if isinstance(m, torch.nn.Linear)]
-    return Shapes(
-        layers=len(layers), hidden=text.hidden_size, intermediate=text.intermediate_size, heads=heads,
-        kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim, vocab=text.vocab_size,
-        tied=bool(getattr(text, "tie_word_embeddings", False) or getattr(model_config, "tie_word_embeddings", False)),
-        params=sum(p.numel() for p in model.parameters()), linear_params=sum(i * o for i, o in linears),
-        linears=linears, linear_inputs=sum(i for i, _ in first),
-        head_norms=any(name.endswith(("q_norm", "k_norm")) for name, _ in layers[0].named_modules()),
-    )  # fmt: skip
+DECODE_ROW_BYTES = 4 * 8  # DecodeBatch's int64 context, last token, output row and count per row (+ its page tables)
+KV_POOL = "KV pool"  # the sampling phase's component of the logical pool (full-attention layers' pages)
+PAGE_TABLE_BYTES = 4  # DecodeBatch's int32 page table entries: [pools, rows, pages]
 
 
 @dataclass
@@ -117,8 +93,10 @@ def kv_bytes(config: TrainConfig, device_type: str) -> int:
 
 
 def weight_bytes(s: Shapes, config: TrainConfig, b: int) -> int:
-    """The policy's weights: every parameter in the training dtype, or with load_in_4bit the decoder layers' linear
-    weights as NF4 (half a byte each, one uint8 scale per 64 weights and one fp32 scale per 256 scales)."""
+    """The policy's weights: every parameter in the training dtype, or with load_in_4bit every linear layer's weight
+    but the output head's (nn.Linear and GPT-2's Conv1D, as transformers' bitsandbytes loading replaces them) as NF4
+    (half a byte each, one uint8 scale per 64 weights and one fp32 scale per 256 scales). Experts' 3-D weights are not
+    linear layers: bitsandbytes leaves them in the training dtype (gpt-oss-20b: 19.1 of its 20.9B parameters)."""
     if not config.load_in_4bit:
         return s.params * b
     n = s.linear_params
@@ -127,9 +105,9 @@ def weight_bytes(s: Shapes, config: TrainConfig, b: int) -> int:
 
 
 def lora_params(s: Shapes, config: TrainConfig) -> list[int]:
-    """Every LoRA tensor's size: A [r, in] and B [out, r] per adapted linear layer ("all-linear": all of them)."""
-    r = config.lora_r
-    return [n for i, o in s.linears for n in (r * i, o * r)]
+    """Every LoRA tensor's size, as peft makes them for load_policy (Shapes.lora): A [r, in] and B [out, r] per
+    adapted linear layer, and on an MoE's experts one adapter per expert ([E r, in] and [out, E r])."""
+    return list(s.lora(config).lora_sizes)
 
 
 def optimizer_bytes(sizes: list[int], config: TrainConfig, b: int) -> int:
@@ -148,275 +126,96 @@ def loss_chunk(s: Shapes, config: TrainConfig, device_type: str, chunk_tokens: i
     return chunk_tokens or default(s.vocab, torch.device(device_type))
 
 
-def _lora_dropout_bytes(config: TrainConfig) -> int:
-    """Bytes of peft's dropout mask per LoRA input value: 1 with dropout (a bool mask), else 0."""
-    return 1 if config.lora_dropout > 0 else 0
 
 
-# torch's dropout off CUDA (at::_dropout_impl, what the fake-CPU traces run) multiplies its input by an fp32 noise
-# tensor of the input's shape, alive with the dropped-out copy; CUDA's fused native_dropout writes a bool mask (1 byte)
-# instead. The moments below take the traces' 4 bytes, the higher.
-DROPOUT_NOISE_BYTES = 4
-# RMSNorm's backward (transformers' Qwen2/Qwen3/Llama RMSNorm: x32 = x.float(); x32 * rsqrt(mean(x32^2) + eps)) at
-# its PowBackward: besides the fp32 input its pow and mul keep, five fp32 [T, H] tensors: the mul's gradient to x32
-# (held for the sum), mean's expanded gradient, x32^1 and 2 x32 of pow's derivative, and their product
-RMSNORM_BACKWARD_FP32 = 5
+# -- the sampling engine's KV pages ----------------------------------------------------------------------------------
 
 
-def _norm_tile_rows(width: int, tokens: int) -> int:
-    """Rows of one tile of a recomputed norm (recompute_norms) over `tokens` rows of `width` values: its backward
-    (and a no-grad norm) runs tiling.norm_tile_rows(width) rows at a time (tiling._recomputed_norm), so its fp32 copy
-    and temporaries exist for one tile only."""
-    from fastgrpo.train.tiling import norm_tile_rows
-
-    return min(tokens, norm_tile_rows(width))
-
-
-def _lora_a_input_bytes(config: TrainConfig) -> int:
-    """fp32 bytes per input value at an adapted layer's lora_A in a training forward: the input cast to the fp32
-    adapter's dtype (peft's cast, or LoRAInput's) and, with dropout, the noise and the dropped-out copy."""
-    return 4 + (2 * DROPOUT_NOISE_BYTES if config.lora_dropout > 0 else 0)
+def window_group_pages(window: int, logical_pages: int, block_size: int, max_num_seqs: int,
+                       max_num_batched_tokens: int) -> int:
+    """Pages of the pool of the sliding-window layers of one window (a window group; pages outside each sequence's
+    window go back to it). Every place under the row limit, and one more (a prompt being forked), holds a whole
+    window: ceil((window - 1) / block_size) + 2 pages (a window that straddles pages, and the page its next token
+    starts); plus one step's prefill, ceil(max_num_batched_tokens / block_size) pages. Never more than the logical
+    pool's `logical_pages`: a logical page has at most one page in each window pool. The scratch page past each pool
+    is not counted here (kv_pool_bytes adds it)."""
+    per_sequence = blocks_for(window - 1, block_size) + 2
+    return min(logical_pages, (max_num_seqs + 1) * per_sequence + blocks_for(max_num_batched_tokens, block_size))
 
 
-def layer_saved_per_token(s: Shapes, config: TrainConfig, b: int) -> int:
-    """What a layer's recompute keeps for its backward, per token: attention_saved_per_token and mlp_saved_per_token."""
-    return attention_saved_per_token(s, config, b) + mlp_saved_per_token(s, config, b)
+def page_groups(s: Shapes, logical_pages: int, block_size: int) -> list[tuple[int | None, int, list[LayerShape]]]:
+    """The engine's page pools: (window, pages, the layers keeping their K/V there), the logical pool (window None:
+    the full-attention layers; none, and no bytes, in a model of sliding layers only) first, then one pool per
+    window, smallest first. KV-shared layers keep no pages."""
+    own = [layer for layer in s.per_layer if not layer.kv_shared]
+    groups = [(None, logical_pages, [layer for layer in own if layer.window is None])]
+    for window in s.windows:
+        pages = window_group_pages(window, logical_pages, block_size, ENGINE.max_num_seqs,
+                                   ENGINE.max_num_batched_tokens)
+        groups.append((window, pages, [layer for layer in own if layer.window == window]))
+    return groups
 
 
-def attention_saved_per_token(s: Shapes, config: TrainConfig, b: int) -> int:
-    """What a recomputed layer keeps for the backward of its input norm and attention, per token: the normed input
-    (q/k/v's input), the rotated q and SDPA's output (o_proj's input), v and the rotated k (b (H + 2 q + 2 kv)); the
-    norms' inputs (_norms_saved_per_token); SDPA's fp32 logsumexp (4 per head); k and v repeated to every query head
-    (2 q b: SDPA with a padding mask and GQA, so not with mask_free_attention). With LoRA the fp32 [r] outputs of
-    q/k/v/o's lora_A (kept by lora_B), and without recompute_lora_inputs peft's fp32, dropped-out inputs of q, k, v
-    (a copy each) and o, 4 + d bytes per value. (The residual is not kept: its add saves nothing.)"""
-    q, kv, H = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
-    repeated = 2 * q if s.kv_heads < s.heads and not config.mask_free_attention else 0
-    norms = _norms_saved_per_token(s, config, b)
-    per_token = b * (H + 2 * q + 2 * kv + repeated) + norms + 4 * s.heads
+def page_bytes(layers: list[LayerShape], block_size: int, value_bytes: int) -> int:
+    """One page of a pool: block_size positions of each layer's keys and values, kv_heads x (key dim + value dim)
+    values a position (1 byte each with fp8)."""
+    return sum(block_size * layer.page_values() * value_bytes for layer in layers)
+
+
+def kv_pool_bytes(s: Shapes, logical_pages: int, block_size: int, value_bytes: int,
+                  fp8: bool = False) -> dict[str, int]:
+    """Bytes of the sampling engine's KV cache by pool, each pool with its scratch page
+    (fastgrpo/sampling/kv_cache.py): KV_POOL for the logical pool, "KV pool, window w" for each window's; with fp8
+    each page-keeping layer's fp32 scales per K/V head ([2, kv_heads]) in KV_POOL."""
+    out = {}
+    for window, pages, layers in page_groups(s, logical_pages, block_size):
+        out[KV_POOL if window is None else f"KV pool, window {window}"] = (pages + 1) * page_bytes(layers, block_size,
+                                                                                                   value_bytes)
+    if fp8:
+        out[KV_POOL] += sum(2 * layer.kv_heads * 4 for layer in s.per_layer if not layer.kv_shared)
+    return out
+
+
+def kv_block_bytes(s: Shapes, block_size: int, b: int) -> int:
+    """One page of the logical pool: K and V of block_size tokens in every full-attention layer that keeps its own."""
+    return page_bytes([layer for layer in s.per_layer if layer.window is None and not layer.kv_shared], block_size, b)
+
+
+def least_pool_error(config: TrainConfig, blocks: int, needed: int) -> ValueError:
+    """The one line for a kv_cache_blocks too few to sample one prompt group, said alike by `fastgrpo plan` and
+    `fastgrpo train` (check_kv_cache_blocks)."""
+    bs, G, m = config.block_size, config.num_generations, config.max_completion_length
+    return ValueError(f"kv_cache_blocks {blocks} is too few: sampling needs a prompt's pages and one completion's "
+                      f"(of up to max_completion_length {m} tokens; the num_generations {G} completions can run one "
+                      f"after another), {needed} pages of {bs} tokens; give at least {needed}, or leave it unset to "
+                      "size the pool from sampling_memory_fraction")
+
+
+def fp8_refusal(shapes: Shapes) -> str | None:
+    """Why the engine refuses kv_cache_dtype fp8 for this model (its Engine._check_fp8, on the meta build); None when
+    it takes it."""
+    from fastgrpo.sampling.decode_layers import kv_scales_unsupported
+
+    reason = kv_scales_unsupported(shapes.model)
+    if reason is None:
+        return None
+    return f"kv_cache_dtype='fp8' bounds the keys and values of Llama/Qwen2/Qwen3 layers from their weights: {reason}"
+
+
+def check_plannable(config: TrainConfig, shapes: Shapes, prompt_length: int) -> None:
+    """What `fastgrpo train` refuses before its first step, refused here too with the same line: a kv_cache_blocks
+    below the least pool, kv_cache_dtype fp8 for a model the engine cannot bound, mlp_tile_tokens for a model with no
+    MLP to tile (tiling.tile_mlps), LoRA options peft or load_policy refuse (Shapes.lora)."""
+    if config.kv_cache_blocks is not None:
+        needed = least_pages(prompt_length, config.num_generations, config.max_completion_length, config.block_size)
+        if config.kv_cache_blocks < needed:
+            raise least_pool_error(config, config.kv_cache_blocks, needed)
+    if config.kv_cache_dtype == "fp8" and (reason := fp8_refusal(shapes)) is not None:
+        raise ValueError(reason)
+    if config.mlp_tile_tokens is not None and not shapes.tileable:
+        raise ValueError(f"mlp_tile_tokens: {shapes.name} has no MLP with gate_proj, up_proj, down_proj")
     if config.use_peft:
-        per_token += 4 * config.lora_r * 4
-        if not config.recompute_lora_inputs:
-            per_token += (4 + _lora_dropout_bytes(config)) * (3 * H + q)
-    return per_token
-
-
-def _norms_saved_per_token(s: Shapes, config: TrainConfig, b: int) -> int:
-    """What a recomputed layer's input norm and (Qwen3) per-head q/k norms keep for their backward, per token.
-
-    transformers' RMSNorm: the fp32 input (4 H, kept by its pow and mul: in bf16 a copy, in fp32 the input itself),
-    with per-head q/k norms theirs (4 (q + kv)), and each norm's fp32 rsqrt per row (per head for q/k).
-
-    recompute_norms (tiling._recomputed_norm): each keeps its input as it comes, nothing fp32. The q/k norms' inputs
-    are q_proj's and k_proj's outputs ((q + kv) b; else freed once the fp32 copy is made). The input norm's is the
-    layer's input (H b): with offload_activations the copy fetched back for the recompute, otherwise freed once the
-    recompute is done (the prefetched next layer's is checkpointed layer inputs' own), and without checkpointing the
-    previous layer's output; checkpointed without offload, the checkpoint's own kept input (counted there)."""
-    q, kv, H = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
-    if not config.recompute_norms:
-        return 4 * (H + 1) + (4 * (q + kv + s.heads + s.kv_heads) if s.head_norms else 0)  # fp32 inputs, rsqrt
-    layer_input = not config.gradient_checkpointing or config.offload_activations
-    return (H * b if layer_input else 0) + ((q + kv) * b if s.head_norms else 0)
-
-
-def _post_attention_norm_saved_per_token(config: TrainConfig, H: int, b: int) -> int:
-    """What the post-attention norm keeps, per token: its fp32 input and rsqrt (4 (H + 1)), or with recompute_norms
-    its input as it comes, the residual sum (H b; the MLP's residual add saves nothing, so nothing else keeps it)."""
-    return H * b if config.recompute_norms else 4 * (H + 1)
-
-
-def mlp_saved_per_token(s: Shapes, config: TrainConfig, b: int) -> int:
-    """What a recomputed layer keeps for its post-attention norm and MLP, per token: the norm's input
-    (_post_attention_norm_saved_per_token) and its output, the MLP's input (H b: kept by the tiled MLP, or by
-    gate/up); untiled also SwiGLU's gate, up, SiLU(gate) and product (4 I b: the product is down's input), and with
-    LoRA the fp32 [r] outputs of gate/up/down's lora_A and without recompute_lora_inputs peft's fp32, dropped-out inputs
-    of gate, up (a copy each) and down. Tiled, all the [T, I] terms live in one tile of the backward
-    (layer_backward_bytes)."""
-    H, inter = s.hidden, s.intermediate
-    per_token = _post_attention_norm_saved_per_token(config, H, b) + b * H  # the norm's input, the MLP's input
-    if config.mlp_tile_tokens is None:
-        per_token += 4 * inter * b
-        if config.use_peft:
-            per_token += 4 * config.lora_r * 3
-            if not config.recompute_lora_inputs:
-                per_token += (4 + _lora_dropout_bytes(config)) * (2 * H + inter)
-    return per_token
-
-
-def layer_mask_bytes(config: TrainConfig, micro_batch: int, T: int, b: int) -> int:
-    """The [m, 1, T, T] boolean padding mask and SDPA's additive copy of it, kept by a layer's attention for its
-    backward: a padded micro-batch (more than one sequence, planned at its longest) without mask_free_attention."""
-    if config.mask_free_attention or micro_batch == 1:
-        return 0
-    return micro_batch * T * T * (1 + b)
-
-
-def layer_backward_bytes(s: Shapes, config: TrainConfig, b: int, tokens: int) -> int:
-    """One layer's backward over `tokens` tokens besides the checkpointed inputs (with offload: the first layer's
-    input, which peft's input gradient keeps, and the next layer's prefetched one; the recomputed input itself is
-    kept by nothing once the recompute is done but a recomputed input norm, see _norms_saved_per_token), the largest
-    of three moments. All hold the recomputed layer's attention_saved_per_token and the gradient of the layer's output
-    (H b, held for the residual branch).
-
-    MLP (down_proj's lora_A backward): mlp_saved_per_token and the gradient of the MLP's input (H b, the tiled MLP's
-    grad_x or down's output gradient), then over the MLP's tokens (one tile's, tiled): the recomputed SwiGLU (tiled:
-    gate, up, SiLU(gate) and product, 4 I b), the gradient of down's input (I b) and with LoRA lora_A's recomputed fp32
-    input, its dropout noise and its gradient (8 + noise bytes per I; with recompute_lora_inputs, LoRAInput's
-    _Recomputed); without it peft's fp32 inputs of gate, up and down in the tile (tiled); full fine-tuning the gate,
-    up and down weights' gradients of a tile in the compute dtype. Past one tile, three [tile, H] tensors more: the
-    tile's recomputed output and two gradients of it.
-
-    Post-attention norm (its PowBackward): its fp32 input and RMSNORM_BACKWARD_FP32 fp32 [T, H] temporaries, the MLP
-    done (its saved tensors freed). What a tiled layer peaks at past ~4 tiles (Qwen3-8B at 2 x 110K tokens). With
-    recompute_norms (its _Recomputed backward) only over one tile of the norm (_norm_tile_rows): the norm's kept input,
-    the MLP input's gradient it receives and the grad_x it fills (3 H b per token), then the tile's fp32 copy, its
-    temporaries and its recomputed output (4 + 4 RMSNORM_BACKWARD_FP32 + b per value): under the MLP's moment but for
-    a few thousand tokens (one norm tile, about an MLP tile).
-
-    Attention (o_proj's lora_A backward, the first of the attention's backward: everything it saved still live):
-    besides the output's gradient, the gradient of o_proj's base output waiting for its backward (peft sums the base
-    output and the fp32 adapter's in fp32 and casts back, so its bf16 gradient is a cast copy; H b), then over o_proj's
-    input (q) lora_A's gradient in fp32 (4), with recompute_lora_inputs LoRAInput's recomputed fp32 input (dropped
-    out: the noise and the copy, or the cast itself; 4 + noise) and the grad_x it fills (b), without it the dropout's
-    backward in fp32 (peft's input is saved already; 4) and the cast's gradient (b); full fine-tuning o_proj's weight
-    gradient (H q b) and its input's (q b). Past ~4 tiles with recompute_norms (Qwen3-8B at 2 x 110K tokens) the
-    peak."""
-    H, inter = s.hidden, s.intermediate
-    tile = tokens if config.mlp_tile_tokens is None else min(config.mlp_tile_tokens, tokens)
-    tiled = config.mlp_tile_tokens is not None
-    common = tokens * (attention_saved_per_token(s, config, b) + b * H)
-    lora = (8 + (DROPOUT_NOISE_BYTES if config.lora_dropout > 0 else 0)) * inter if config.use_peft else 0
-    if config.use_peft and tiled and not config.recompute_lora_inputs:
-        lora += (4 + _lora_dropout_bytes(config)) * (2 * H + inter)
-    mlp = common + tokens * (mlp_saved_per_token(s, config, b) + b * H) + tile * (
-        (4 * b if tiled else 0) * inter + b * inter + lora)
-    if tiled and tile < tokens:
-        mlp += 3 * tile * H * b
-    if not config.use_peft:
-        mlp += 3 * H * inter * b
-    if config.recompute_norms:
-        norm = common + 3 * tokens * H * b + _norm_tile_rows(H, tokens) * (4 + 4 * RMSNORM_BACKWARD_FP32 + b) * H
-    else:
-        norm = common + tokens * (4 + 4 * RMSNORM_BACKWARD_FP32) * H
-    q = s.heads * s.head_dim
-    if config.use_peft:
-        noise = DROPOUT_NOISE_BYTES if config.lora_dropout > 0 else 0
-        attention = common + tokens * (H * b + q * (4 + (4 + noise if config.recompute_lora_inputs else 4) + b))
-    else:
-        attention = common + tokens * q * b + H * q * b
-    return max(mlp, norm, attention)
-
-
-def train_forward_bytes(s: Shapes, config: TrainConfig, b: int, tokens: int) -> int:
-    """A layer's training forward (checkpointed: nothing saved) over `tokens` tokens besides the checkpointed inputs
-    (which hold the layer's input, the residual), the larger of two moments:
-
-    MLP: the residual sum and the MLP's input (2 H b per token), past one tile the tiled output and the previous
-    tile's (held by _tiled_output's loop until the next is formed; H b per token, and per tile token); then per token
-    of one tile (untiled: of all) the larger of down_proj's lora_A (SwiGLU's product, down's base output, and
-    _lora_a_input_bytes per I) and up_proj's LoRA sum (SiLU(gate), up's base output, lora_B's scaled fp32 output and
-    the fp32 sum: 2 I b + 8 I); without LoRA, SwiGLU's product formed beside SiLU(gate) and up (3 I b).
-
-    Attention (o_proj's lora_A): the normed input, the rotated q, SDPA's output, o_proj's base output, v and the
-    rotated k (b (2 H + 2 q + 2 kv)) and o_proj's fp32 input copies (_lora_a_input_bytes per q), the padding mask
-    (layer_mask_bytes, not per token) aside."""
-    q, kv, H, inter = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
-    tile = tokens if config.mlp_tile_tokens is None else min(config.mlp_tile_tokens, tokens)
-    if config.use_peft:
-        down = b * inter + b * H + _lora_a_input_bytes(config) * inter
-        up = 2 * b * inter + 8 * inter
-    else:
-        down, up = b * inter + b * H, 3 * b * inter
-    mlp = 2 * tokens * H * b + tile * max(down, up)
-    if tile < tokens:
-        mlp += tokens * H * b + tile * H * b
-    attention = tokens * (b * (2 * H + 2 * q + 2 * kv) + (_lora_a_input_bytes(config) * q if config.use_peft else 0))
-    return max(mlp, attention)
-
-
-def layer_forward_bytes(s: Shapes, config: TrainConfig, b: int, tokens: int, training: bool) -> int:
-    """A layer's forward over `tokens` tokens besides its input: a training one's (train_forward_bytes), or without
-    grad the larger of the attention's moment at o_proj (attention_forward_per_token) and the MLP's
-    (mlp_forward_bytes); logprobs_forward_bytes adds what the decoder holds around it."""
-    if training:
-        return train_forward_bytes(s, config, b, tokens)
-    return max(tokens * attention_forward_per_token(s, config, b), mlp_forward_bytes(s, config, b, tokens))
-
-
-def _fp32_copy_bytes(b: int) -> int:
-    """Bytes per value of an input cast to the fp32 adapter (or norm) dtype: 4, or none in fp32 (`.to` copies
-    nothing)."""
-    return 4 if b < 4 else 0
-
-
-def attention_forward_per_token(s: Shapes, config: TrainConfig, b: int) -> int:
-    """Live in a layer's attention without grad at o_proj (with LoRA its adapter's sum), per token, besides the
-    layer's input: the normed input (q/k/v's input, held by the decoder layer), the rotated q and k, v (held by the
-    attention until it returns), SDPA's output and o_proj's base output (b (2 H + 2 q + 2 kv)); with LoRA lora_B's
-    fp32 output and its scaled copy (then the fp32 sum; 8 H) and without recompute_lora_inputs peft's fp32 copy of
-    o_proj's input, held through the sum (LoRAInput's is gone after lora_A). With LoRA the attention's other moments
-    are lower (q/k/v's sums and the rotation hold fewer tensors; SDPA with a padding mask is logprobs_forward_bytes');
-    without it q's rotation or Qwen3's fp32 q norm holds up to ~2 q b more, under the MLP's 2 H b + 3 I b (I > H)."""
-    q, kv, H = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
-    per_token = b * (2 * H + 2 * q + 2 * kv)
-    if config.use_peft:
-        per_token += 8 * H + (_fp32_copy_bytes(b) * q if not config.recompute_lora_inputs else 0)
-    return per_token
-
-
-def mlp_forward_bytes(s: Shapes, config: TrainConfig, b: int, tokens: int) -> int:
-    """A layer's MLP without grad over `tokens` tokens besides the layer's input: the residual sum (held for the
-    layer's last add) and the MLP's input (2 H b per token); past one tile the tiled output and the previous tile's
-    (held by _tiled_output's loop until the next is formed; H b per token, and per tile token); then per token of one
-    tile (untiled: of all) the larger of
-      up_proj's sum: SiLU(gate), up's base output (2 I b) and with LoRA lora_B's fp32 output and its scaled copy (8 I)
-        and without recompute_lora_inputs peft's fp32 copy of up's input (held through the sum);
-      down_proj's: SwiGLU's product and down's base output (I b + H b), with LoRA the fp32 cast of the product (lora_A's
-        input, 4 I) and the fp32 lora_B output and its scaled copy (8 H): peft holds its cast through the sum,
-        LoRAInput's is gone after lora_A.
-    Without LoRA, SwiGLU's product formed beside SiLU(gate) and up (3 I b). (gate_proj's sum holds one [T, I] less
-    than up_proj's.)"""
-    H, inter = s.hidden, s.intermediate
-    tile = tokens if config.mlp_tile_tokens is None else min(config.mlp_tile_tokens, tokens)
-    if config.use_peft:
-        cast = _fp32_copy_bytes(b)
-        peft_cast = not config.recompute_lora_inputs
-        up = 2 * b * inter + 8 * inter + (cast * H if peft_cast else 0)
-        down = b * inter + b * H + (cast * inter + 8 * H if peft_cast else max(cast * inter, 8 * H))
-    else:
-        up, down = 3 * b * inter, b * inter + b * H
-    mlp = 2 * tokens * H * b + tile * max(up, down)
-    if tile < tokens:
-        mlp += tokens * H * b + tile * H * b
-    return mlp
-
-
-def logprobs_forward_bytes(s: Shapes, config: TrainConfig, b: int, micro_batch: int, T: int) -> int:
-    """The no-grad backbone's peak over a micro-batch of `micro_batch` sequences padded to T tokens, at its last
-    layer: what the decoder holds through its layers, the embeddings' output (the decoder's inputs_embeds, kept to
-    its end) and the layer's input (held by the decoder's loop while the layer runs; in a one-layer model the same
-    tensor), the rotary cos and sin ([1, T, head_dim] each: the sequences share positions) and, for a padded
-    micro-batch without mask_free_attention, the [m, 1, T, T] boolean mask; plus the larger of the layer's moments
-    (layer_forward_bytes) and, with that mask, SDPA's: the normed input, the rotated q and k, v, K and V repeated to
-    every query head (2 q b, with GQA), the mask's additive copy in the compute dtype (m T^2 b), SDPA's output and
-    fp32 logsumexp (4 per head). (The final norm's moment, the last output and its fp32 copies, is lower.)"""
-    q, kv, H = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden
-    tokens = micro_batch * T
-    padded = micro_batch > 1 and not config.mask_free_attention
-    held = tokens * H * b * (2 if s.layers > 1 else 1) + 2 * T * s.head_dim * b + (micro_batch * T * T if padded else 0)
-    layer = layer_forward_bytes(s, config, b, tokens, training=False)
-    if padded:
-        repeated = 2 * q if s.kv_heads < s.heads else 0
-        sdpa = tokens * (b * (H + 2 * q + 2 * kv + repeated) + 4 * s.heads) + micro_batch * T * T * b
-        layer = max(layer, sdpa)
-    return held + layer
-
-
-def layer_forward_per_token(s: Shapes, config: TrainConfig, b: int, training: bool) -> int:
-    """Per token of the sampling engine's prefill forward (untiled): SwiGLU's four [T, I] tensors at the down
-    projection, and with LoRA its input in fp32."""
-    lora = (4 + (_lora_dropout_bytes(config) if training else 0)) if config.use_peft else 0
-    return (4 * b + lora) * s.intermediate
+        shapes.lora(config)
 
 
 def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "cuda", micro_batch: int | None = None,
@@ -430,7 +229,7 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
 
             model_config = read_model_config(config)
         shapes = model_shapes(model_config)
-    s, b = shapes, dtype_bytes(config, device_type)
+    s, b = (shapes.lora(config) if config.use_peft else shapes), dtype_bytes(config, device_type)
     kv_blocks = config.kv_cache_blocks if kv_blocks is None else kv_blocks
     chunk_tokens = config.loss_chunk_tokens if chunk_tokens is None else chunk_tokens
     mb = micro_batch or config.per_device_train_batch_size
@@ -444,7 +243,7 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     if config.beta != 0 and not config.use_peft:
         weights["reference weights"] = s.params * b
     if config.use_peft:
-        sizes = lora_params(s, config)
+        sizes = list(s.lora_sizes)
         trainable = {"LoRA weights (fp32)": 4 * sum(sizes), "optimizer states": optimizer_bytes(sizes, config, 4)}
         grads = 4 * sum(sizes)
     else:
@@ -453,26 +252,28 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
         grads = s.params * b
     resident = {**weights, **trainable}
 
-    # sampling: the KV pool (pages of block_size tokens, prompts shared within a group, one scratch page): every
+    # sampling: the KV pools (pages of block_size tokens, prompts shared within a group, one scratch page each): every
     # group at full length at once, or kv_blocks; auto_fit cuts it to what fits, down to one prompt's pages and one
-    # completion's (the engine runs a group's completions one by one if it must). Then the larger of a prefill
-    # forward (max_num_batched_tokens) and a decode step (a token per running sequence)
+    # completion's (the engine runs a group's completions one by one if it must); each window's pool at most
+    # window_group_pages. Then the larger of a prefill forward (max_num_batched_tokens) and a decode step (a token per
+    # running sequence), with the experts' effective weights where LoRA adapts them
     G, P = config.num_generations, config.generation_batch_size // config.num_generations
     bs = config.block_size
     needed = P * most_pages(prompt, G, config.max_completion_length, bs)
     least = least_pages(prompt, G, config.max_completion_length, bs)
     blocks = needed if kv_blocks is None else kv_blocks  # the engine allocates kv_cache_blocks pages as given
     rows = min(ENGINE.max_num_seqs, config.generation_batch_size)
-    kv = (blocks + 1) * kv_block_bytes(s, bs, kv_bytes(config, device_type))
-    if config.kv_cache_dtype == "fp8":
-        kv += s.layers * 2 * s.kv_heads * 4  # each layer's K and V scales, fp32 per KV head
+    kv = kv_pool_bytes(s, blocks, bs, kv_bytes(config, device_type), config.kv_cache_dtype == "fp8")
     prefill_tokens = min(ENGINE.max_num_batched_tokens, P * prompt + rows)
-    prefill = prefill_tokens * layer_forward_per_token(s, config, b, training=False)
+    per_token = max(engine_forward_per_token(s, layer, config, b) for layer in s.kinds)
+    experts = max(expert_weight_bytes(layer, b) for layer in s.kinds)
     capacity = max(min(ENGINE.max_num_seqs, ENGINE.max_num_batched_tokens), G)  # the engine's DecodeBatch rows
+    pools = len(kv)
     buffers = (config.generation_batch_size * config.max_completion_length * OUTPUT_BYTES_PER_TOKEN
-               + capacity * (4 * blocks_for(T, bs) + DECODE_ROW_BYTES))
-    sampling = {**resident, "KV pool": kv, "output buffers": buffers,
-                "engine forward": max(prefill, rows * 2 * s.hidden * b), "sampler": sampler_bytes(s, rows)}
+               + capacity * (PAGE_TABLE_BYTES * pools * blocks_for(T, bs) + DECODE_ROW_BYTES))
+    sampling = {**resident, **kv, "output buffers": buffers,
+                "engine forward": max(prefill_tokens * per_token, rows * 2 * s.hidden * b) + experts,
+                "sampler": sampler_bytes(s, rows)}
 
     # no-grad logprobs (eval mode): the larger of two moments, never live together. The backbone at its last layer
     # (logprobs_forward_bytes); then, the backbone returned, the head: the rows completion_hidden gathers (the final
@@ -487,9 +288,10 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
         logprobs = {**resident, "final hidden states": head_rows, "loss chunk": head_chunk}
 
     # train: the checkpointed layer inputs (offloaded: the last one's, which the next layer's prefetched input
-    # replaces in the backward, and with LoRA the first one's, which peft's input gradient keeps alive), then the
-    # largest of the forward's last layer (train_forward_bytes), the fused loss and the backward of one layer
-    # (layer_backward_bytes: the final hidden states are freed by then)
+    # replaces in the backward, and with LoRA the first one's, which peft's input gradient keeps alive), Gemma 4's
+    # per-layer inputs and shared K/V, then the largest of the forward's last layer (train_forward_bytes), the fused
+    # loss and the backward of one layer (layer_backward_bytes: the final hidden states are freed by then), over
+    # every kind of layer
     if not config.gradient_checkpointing:
         kept = 0
     elif config.offload_activations:
@@ -497,21 +299,24 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     else:
         kept = s.layers
     stored = {**resident, "gradients": grads, "checkpointed layer inputs": kept * layer_input}
-    mask = layer_mask_bytes(config, mb, T, b)
+    beside = tokens * (s.per_layer_inputs + shared_kv_values(s)) * b
+    if beside:
+        stored["per-layer inputs, shared K/V"] = beside
     if not config.gradient_checkpointing:
-        stored["layer activations"] = s.layers * (tokens * layer_saved_per_token(s, config, b) + mask)
-    backward = layer_backward_bytes(s, config, b, tokens) + mask
+        stored["layer activations"] = sum(tokens * layer_saved_per_token(s, layer, config, b, T)
+                                          + layer_mask_bytes(s, layer, config, mb, T, b) for layer in s.per_layer)
+    backward = max(layer_backward_bytes(s, layer, config, b, mb, T) for layer in s.kinds)
     # the loss: the final norm's input in fp32 (kept by its pow and mul: a copy in bf16, the input itself in fp32;
     # its bf16 input and output are freed), with recompute_norms its input as it comes (the last layer's output, b
     # bytes), and over the completion tokens the rows completion_hidden gathers, the fused loss's selected rows x and
     # its dX (grpo_head.grpo_head_loss, HeadGrads); then a chunk's fp32 logits and bf16 dZ, and GEMM 2's dX of the
-    # chunk (fastgrpo/chunked.py)
+    # chunk (fastgrpo/chunked.py). A final-logit softcap (Gemma 2/4) is applied in place in those: no bytes
     final_norm = b if config.recompute_norms else 4
     final = final_norm * tokens * s.hidden + 3 * completion_tokens * s.hidden * b
     loss_bytes = chunk * (s.vocab * (CUDA_LOSS_BYTES_PER_LOGIT if device_type == "cuda" else 8) + s.hidden * b)
     if not config.use_peft:
         loss_bytes += s.vocab * s.hidden * 4  # dW accumulated in fp32
-    forward = layer_forward_bytes(s, config, b, tokens, training=True) + mask
+    forward = max(train_forward_bytes(s, layer, config, b, mb, T) for layer in s.kinds)
     phases = {"sampling": sampling, "logprobs": logprobs,
               "train: forward": {**stored, "layer forward": forward},
               "train: loss": {**stored, "final hidden states": final, "loss chunk": loss_bytes},
@@ -521,19 +326,19 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
                          "kv_blocks_least": least, "kv_cache_dtype": config.kv_cache_dtype,
                          "mlp_tile_tokens": config.mlp_tile_tokens,
                          "loss_chunk_tokens": chunk, "chunk_override": chunk_tokens,
-                         "samples_per_step": config.per_device_train_batch_size * config.gradient_accumulation_steps})
-
-
-def kv_block_bytes(s: Shapes, block_size: int, b: int) -> int:
-    """One page of the paged KV pool: K and V of block_size tokens in every layer."""
-    return 2 * s.layers * block_size * s.kv_heads * s.head_dim * b
+                         "samples_per_step": config.per_device_train_batch_size * config.gradient_accumulation_steps,
+                         "page_groups": [(w, pages, len(layers), page_bytes(layers, bs, kv_bytes(config, device_type)))
+                                         for w, pages, layers in page_groups(s, blocks, bs)]})
 
 
 def check_kv_cache_blocks(config: TrainConfig, shapes: Shapes, device: torch.device, prompt_lengths: list[int],
                           eval_prompt_lengths: list[int]) -> None:
     """kv_cache_blocks, when given, against what sampling needs and the memory there is, before anything is
     allocated: the engine would refuse too few pages only at its first call (the first evaluation), and a pool larger
-    than memory grows the process (its page lists first, 48 bytes a page: 48 GB for 1e9) until the kernel kills it."""
+    than memory grows the process (its page lists first, 48 bytes a page: 48 GB for 1e9) until the kernel kills it.
+    The pool's bytes are kv_pool_bytes' (each window's pool too)."""
+    from fastgrpo.sampling.engine import available_memory
+
     blocks = config.kv_cache_blocks
     if blocks is None:
         return
@@ -541,19 +346,32 @@ def check_kv_cache_blocks(config: TrainConfig, shapes: Shapes, device: torch.dev
     needed = max([least_pages(t, G, m, bs) for t in set(prompt_lengths)]
                  + [least_pages(t, 1, m, bs) for t in set(eval_prompt_lengths)])  # evaluation: one completion each
     if blocks < needed:
-        raise ValueError(f"kv_cache_blocks {blocks} is too few: sampling needs a prompt's pages and one completion's "
-                         f"(of up to max_completion_length {m} tokens; the num_generations {G} completions can run one "
-                         f"after another), {needed} pages of {bs} tokens; give at least {needed}, or leave it unset to "
-                         "size the pool from sampling_memory_fraction")
-    page = kv_block_bytes(shapes, bs, kv_bytes(config, device.type))
+        raise least_pool_error(config, blocks, needed)
+    total = sum(kv_pool_bytes(shapes, blocks, bs, kv_bytes(config, device.type)).values())
     available = available_memory(device)
-    if available is not None and (blocks + 1) * page > available:  # one scratch page past the pool
+    if available is not None and total > available:
         where = f"free on {device}" if device.type == "cuda" else "MemAvailable in /proc/meminfo"
-        raise ValueError(f"kv_cache_blocks {blocks} is too many: the KV pool would take "
-                         f"{(blocks + 1) * page / GiB:.1f} GiB ({page} bytes a page), and {available / GiB:.1f} GiB "
-                         f"is available ({where}); at most {available // page - 1} pages fit there, before the model "
-                         "and the training step take theirs; or leave it unset to size the pool from "
+        fit = _most_pages(lambda n: sum(kv_pool_bytes(shapes, n, bs, kv_bytes(config, device.type)).values())
+                          <= available, blocks)
+        page = sum(page_bytes(layers, bs, kv_bytes(config, device.type)) for _, _, layers in page_groups(shapes, 1, bs))
+        raise ValueError(f"kv_cache_blocks {blocks} is too many: the KV pool would take {total / GiB:.1f} GiB ({page} "
+                         f"bytes a page), and {available / GiB:.1f} GiB is available ({where}); at most {fit} pages "
+                         "fit there, before "
+                         "the model and the training step take theirs; or leave it unset to size the pool from "
                          "sampling_memory_fraction")
+
+
+def _most_pages(fits, most: int, least: int = 0) -> int:
+    """The largest page count in [least, most] for which `fits` holds (it holds for every smaller count); least - 1
+    when none."""
+    low, high = least - 1, most
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def sampler_bytes(s: Shapes, rows: int) -> int:
@@ -579,7 +397,9 @@ def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: s
     3. the default loss chunk, else 4096, 1024, 256 tokens;
     4. the KV pool of a whole round (every completion at full length at once); if sampling is over budget, as many
        pages as fit (the engine runs the round in waves, preempting by recompute), down to the least pool, a prompt's
-       pages and one completion's (completions one after another).
+       pages and one completion's (completions one after another). A window's pool shrinks with the logical pool
+       only once the logical pool is smaller than it (window_group_pages).
+    A model with no MLP to tile (experts, GPT-2's) keeps its MLP whole: only the micro-batch, chunk and pool vary.
 
     ValueError, naming what would fit, when even micro-batch 1 with the smallest tile and chunk does not."""
     import dataclasses
@@ -587,7 +407,12 @@ def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: s
     step = config.per_device_train_batch_size * config.gradient_accumulation_steps
     limit = usable(gpu_bytes)
     given = config.mlp_tile_tokens
-    tiles = (given, *(t for t in MLP_TILES if given is not None and t < given)) if given else (None, *MLP_TILES)
+    if not shapes.tileable:  # no MLP to tile (gpt-oss, Qwen3-MoE, GPT-2): tiles would be refused
+        tiles = (given,)
+    elif given:
+        tiles = (given, *(t for t in MLP_TILES if t < given))
+    else:
+        tiles = (None, *MLP_TILES)
     for mb in sorted((d for d in range(1, step + 1) if step % d == 0), reverse=True):
         for tile in tiles:
             trial = config if tile == given else dataclasses.replace(config, mlp_tile_tokens=tile)
@@ -596,10 +421,8 @@ def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: s
                                    prompt_length=prompt_length)
                 if max(plan.peak(p) for p in plan.phases if p != "sampling") > limit:
                     continue
-                over = plan.peak("sampling") - limit
-                if over > 0:  # fewer KV pages: the engine then runs the round in waves (preemption by recompute)
-                    per_block = plan.phases["sampling"]["KV pool"] // (plan.settings["kv_blocks"] + 1)
-                    blocks = plan.settings["kv_blocks"] - math.ceil(over / per_block)
+                if plan.peak("sampling") > limit:  # fewer KV pages: the engine runs the round in waves (preemption)
+                    blocks = _pages_that_fit(plan, trial, shapes, device_type, limit)
                     if blocks < plan.settings["kv_blocks_least"]:
                         continue
                     plan = plan_memory(trial, device_type=device_type, micro_batch=mb, chunk_tokens=chunk,
@@ -610,13 +433,26 @@ def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: s
     raise ValueError(
         f"gpu_memory: {gpu_bytes / GiB:.1f} GiB ({limit / GiB:.1f} GiB for tensors) cannot fit even "
         f"per_device_train_batch_size 1: it needs {smallest.peak() / GiB:.1f} GiB ({describe_peak(smallest)}); "
-        + what_would_fit(config, shapes, device_type, gpu_bytes))
+        + what_would_fit(config, shapes, device_type, gpu_bytes, micro_batch=1))
+
+
+def _pages_that_fit(plan: Plan, config: TrainConfig, shapes: Shapes, device_type: str, limit: int) -> int:
+    """The most logical pages (at most the plan's) whose pools (kv_pool_bytes: windows' pools shrink with the logical
+    pool only below their own size) keep the sampling phase within `limit` bytes."""
+    s = shapes.lora(config) if config.use_peft else shapes
+    value_bytes, fp8 = kv_bytes(config, device_type), config.kv_cache_dtype == "fp8"
+    pools = kv_pool_bytes(s, plan.settings["kv_blocks"], config.block_size, value_bytes, fp8)
+    rest = plan.peak("sampling") - sum(pools.values())
+    return _most_pages(lambda n: rest + sum(kv_pool_bytes(s, n, config.block_size, value_bytes, fp8).values())
+                       <= limit, plan.settings["kv_blocks"])
 
 
 def plan_run(config: TrainConfig, shapes: Shapes, device_type: str, gpu_bytes: int | None,
              prompt_length: int | None = None) -> Plan:
     """The plan `fastgrpo train` and `fastgrpo plan` act on: auto_fit's with config.auto_fit (which needs
-    gpu_bytes), else the plan of the config as it is."""
+    gpu_bytes), else the plan of the config as it is. What train refuses before its first step is refused here too,
+    in the same line (check_plannable)."""
+    check_plannable(config, shapes, prompt_length or config.max_prompt_length or 512)
     if not config.auto_fit:
         return plan_memory(config, shapes=shapes, device_type=device_type, prompt_length=prompt_length)
     if gpu_bytes is None:
@@ -639,26 +475,48 @@ def fitted(config: TrainConfig, plan: Plan) -> dict:
     return changes
 
 
-def what_would_fit(config: TrainConfig, shapes: Shapes, device_type: str, gpu_bytes: int) -> str:
-    """The memory options not yet on, added one by one until one fits, with the micro-batch-1 peak of each (and
-    whether it fits)."""
+def what_would_fit(config: TrainConfig, shapes: Shapes, device_type: str, gpu_bytes: int,
+                   micro_batch: int | None = None) -> str:
+    """The memory options not yet on, added one by one until one fits, with the peak of each (and whether it fits),
+    at `micro_batch` (default the configured per_device_train_batch_size, which the line names) and the default loss
+    chunk; when none fits there, the same options at micro-batch 1 and the smallest loss chunk (what --auto-fit can
+    reach)."""
     import dataclasses
 
+    mb = micro_batch or config.per_device_train_batch_size
     steps = [{"use_peft": True}, {"load_in_4bit": True}, {"offload_activations": config.gradient_checkpointing},
-             {"mlp_tile_tokens": min(config.mlp_tile_tokens or MLP_TILES[-1], MLP_TILES[-1])},
              {"max_completion_length": max(1, config.max_completion_length // 2)}]
+    if shapes.tileable:
+        steps.insert(3, {"mlp_tile_tokens": min(config.mlp_tile_tokens or MLP_TILES[-1], MLP_TILES[-1])})
+    if any(layer.experts for layer in shapes.per_layer):  # LoRA on experts takes no dropout (fastgrpo.train.lora)
+        steps[0] = {"use_peft": True, "lora_dropout": 0.0}
     changes, said = {}, []
+    limit = usable(gpu_bytes)
+
+    def peak(trial: TrainConfig, micro: int, chunk: int | None) -> int:
+        return plan_memory(trial, device_type=device_type, micro_batch=micro, chunk_tokens=chunk, shapes=shapes).peak()
+
+    def flags(values: dict) -> str:
+        return " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in values.items())
+
+    fits = False
     for step in steps:
         if all(getattr(config, k) == v for k, v in step.items()):
             continue
         changes |= step
-        trial = dataclasses.replace(config, **changes)
-        peak = plan_memory(trial, device_type=device_type, micro_batch=1, chunk_tokens=256, shapes=shapes).peak()
-        flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in changes.items())
-        said.append(f"{flags}: {peak / GiB:.1f} GiB" + (" (fits)" if peak <= usable(gpu_bytes) else ""))
-        if peak <= usable(gpu_bytes):
+        value = peak(dataclasses.replace(config, **changes), mb, None)
+        fits = value <= limit
+        said.append(f"{flags(changes)}: {value / GiB:.1f} GiB" + (" (fits)" if fits else ""))
+        if fits:
             break
-    return "with " + "; with ".join(said) if said else "no memory option is left to try: a larger GPU is needed"
+    if not said:
+        return "no memory option is left to try: a larger GPU is needed"
+    text = f"at --per-device-train-batch-size {mb}, with " + "; with ".join(said)
+    if not fits and mb > 1:
+        value = peak(dataclasses.replace(config, **changes), 1, 256)
+        text += (f"; with {flags(changes)} --per-device-train-batch-size 1 --loss-chunk-tokens 256: "
+                 f"{value / GiB:.1f} GiB" + (" (fits)" if value <= limit else ""))
+    return text
 
 
 def describe_peak(plan: Plan) -> str:
@@ -682,6 +540,11 @@ def format_plan(plan: Plan, gpu_bytes: int | None = None) -> str:
     shown = ("per_device_train_batch_size", "kv_blocks", "kv_blocks_needed", "loss_chunk_tokens", "mlp_tile_tokens")
     settings = ", ".join(f"{k} {plan.settings[k]}" for k in shown)
     lines.append(f"planned with {settings}")
+    groups = plan.settings["page_groups"]
+    if len(groups) > 1 or any(layers == 0 for _, _, layers, _ in groups):  # windows, or no full-attention layer
+        said = [f"{'logical' if w is None else f'window {w}'}: {pages} pages x {size / 2**10:.0f} KiB ({layers} layers)"
+                for w, pages, layers, size in groups]
+        lines.append("KV pools (pages + a scratch page each): " + "; ".join(said))
     blocks, needed, least = (plan.settings[k] for k in ("kv_blocks", "kv_blocks_needed", "kv_blocks_least"))
     if blocks < needed:
         lines.append(f"KV pool: {blocks} of the {needed} pages a whole round takes at full length: the engine runs as "

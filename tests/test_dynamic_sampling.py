@@ -237,3 +237,53 @@ def test_max_num_gen_batches_below_one_is_refused(assets, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err == "fastgrpo train: error: --max-num-gen-batches must be >= 1, got 0\n", err
     assert not (tmp_path / "run").exists()
+
+
+def test_max_num_gen_batches_past_its_cap_is_refused(assets, tmp_path, capsys):
+    """1e9 rounds' worth once made P x 1e9 candidate indices up front (a MemoryError, or the machine's memory)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model-name-or-path", assets["model"], "--dataset-name", assets["data"], "--output-dir",
+              str(tmp_path / "run"), "--num-generations", "2", "--dynamic-sampling", "--max-num-gen-batches",
+              "1000000000"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "fastgrpo train: error: --max-num-gen-batches must be at most 1000, got 1000000000: a round that needs more "
+        "rounds' worth of prompts than that has a reward that scores nearly every group flat (verl's default is 10)\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_candidates_are_drawn_as_the_round_needs_them(assets, tmp_path, monkeypatch):
+    """--max-num-gen-batches 1000: the engine never gets more than DRAW_ROUNDS rounds' worth of prompts in one call
+    (before: all P x 1000 of them, and its output buffers for each); with chunks of one round's worth the rounds keep
+    the same groups and train the same as with the default chunks."""
+    from fastgrpo.sampling import Engine
+    from fastgrpo.train import rounds
+    from fastgrpo.train import trainer as trainer_module
+
+    calls = []
+
+    class Recorded(Engine):
+        def generate(self, prompt_token_ids, *args, **kwargs):
+            calls.append(len(prompt_token_ids))
+            return super().generate(prompt_token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "Engine", Recorded)
+    (tmp_path / "mostly_flat.py").write_text(MOSTLY_FLAT)
+    argv = lambda run, cap: ["train", "--model-name-or-path", assets["model"], "--dataset-name", assets["data"],
+                             "--output-dir", str(tmp_path / run), "-G", "4", "--per-device-train-batch-size", "8",
+                             "--max-completion-length", "5", "--max-steps", "3", "--save-steps", "0",
+                             "--eval-num-samples", "2", "--report-to", "none", "--disable-tqdm", "--seed", "7",
+                             "--dynamic-sampling", "--max-num-gen-batches", str(cap), "--reward-funcs",
+                             f"{tmp_path / 'mostly_flat.py'}:mostly_flat"]
+    main(argv("wide", 1000))
+    P = 2  # 8 completions / G 4
+    assert max(calls) <= rounds.DRAW_ROUNDS * P, calls
+    monkeypatch.setattr(rounds, "DRAW_ROUNDS", 1)
+    main(argv("chunked", 30))  # a call per P candidates, as many as the round needs
+    monkeypatch.setattr(rounds, "DRAW_ROUNDS", 10)
+    main(argv("one_call", 30))
+    schedule = ("dynamic/sampled_", "sampling/preemptions")  # how much ran, which chunking changes
+    same = lambda run: [{k: v for k, v in r.items() if not k.startswith(schedule)}
+                        for r in read_metrics(tmp_path / run)]
+    assert_same_metrics(same("chunked"), same("one_call"))
+    assert any(r["dynamic/drawn_groups"] > P for r in read_metrics(tmp_path / "chunked")[1:])  # more than one chunk

@@ -84,26 +84,41 @@ def sass_opcodes(cubin: bytes) -> list[str]:
 
 # -- the shipped kernels, with their launchers' settings ------------------------------------------------------------
 
-def attention(dt, decode: bool, fp8_kv: bool = False):
-    """Paged attention with a Qwen2.5-1.5B head layout: 12 query heads on 2 KV heads (group 6), head_dim 128; with
-    fp8_kv, over float8_e4m3fn pages and their per-head scales (queries and output in `dt`)."""
+def attention(dt, decode: bool, fp8_kv: bool = False, group: int = 6, head_dim: int = 128, window: int = 0,
+              softcap: bool = False, sinks: bool = False):
+    """Paged attention with a Qwen2.5-1.5B head layout by default: 12 query heads on 2 KV heads (group 6), head_dim
+    128; with fp8_kv, over float8_e4m3fn pages and their per-head scales (queries and output in `dt`). The variants
+    (a sliding window, a softcap, sinks) with the head layouts of the models that have them."""
     kv = "fp8e4nv" if fp8_kv else dt
     sig = dict(q_ptr=f"*{dt}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", out_ptr=f"*{dt}", block_tables_ptr="*i32",
                context_lens_ptr="*i32", query_starts_ptr="*i32", tile_seqs_ptr="*i32", tile_starts_ptr="*i32",
                k_scale_ptr="*fp32" if fp8_kv else "*i32", v_scale_ptr="*fp32" if fp8_kv else "*i32",
-               scale="fp32", **{name: "i32" for name in ("stride_qt", "stride_qh", "stride_ot", "stride_oh",
-                                                         "stride_kb", "stride_ks", "stride_kh", "stride_vb",
-                                                         "stride_vs", "stride_vh", "stride_bt")})
-    group, dtype = 6, {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
-    tiles = paged_attention.tiles_for(group, 1 if decode else 2, dtype)
-    consts = dict(BLOCK_SIZE=16, GROUP=group, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=tiles.block_m,
-                  BLOCK_N=tiles.block_n, DOT_PRECISION="tf32", KV_SCALED=fp8_kv)
+               sinks_ptr="*fp32" if sinks else "*i32", scale="fp32", softcap="fp32",
+               **{name: "i32" for name in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb",
+                                           "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
+                                           "stride_bt")})
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+    tiles = paged_attention.tiles_for(group, 1 if decode else 2, dtype, head_dim)
+    consts = dict(BLOCK_SIZE=16, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_M=tiles.block_m,
+                  BLOCK_N=tiles.block_n, DOT_PRECISION="tf32", KV_SCALED=fp8_kv, WINDOW=window, SOFTCAP=softcap,
+                  SINKS=sinks)
     return paged_attention._paged_attention_kernel, sig, consts, tiles.num_warps, tiles.num_stages
 
 
 KERNELS = {"paged_attention_decode": lambda dt: attention(dt, decode=True),
            "paged_attention_prefill": lambda dt: attention(dt, decode=False)}
-GEMM_KERNELS = ("paged_attention_decode", "paged_attention_prefill")
+# The variants with their models' head layouts: gpt-oss (64 query heads on 8 KV heads, head_dim 64, window 128,
+# sinks), Gemma 2/3 (8 on 4, head_dim 256, window 1024 / 4096, a softcap for Gemma 2), Gemma 4's global layers
+# (head_dim 512, no window).
+VARIANT_KERNELS = {
+    f"paged_attention_{phase}_{name}": (lambda dt, decode=phase == "decode", kw=kw: attention(dt, decode, **kw))
+    for phase in ("decode", "prefill")
+    for name, kw in (("gpt_oss", dict(group=8, head_dim=64, window=128, sinks=True)),
+                     ("gemma2", dict(group=2, head_dim=256, window=4096, softcap=True)),
+                     ("gemma4_global", dict(group=8, head_dim=512)))
+}
+KERNELS.update(VARIANT_KERNELS)
+GEMM_KERNELS = ("paged_attention_decode", "paged_attention_prefill", *VARIANT_KERNELS)
 
 
 def logit_row_stats(_dt):
@@ -126,6 +141,8 @@ def logit_row_grad(dt):
 KERNELS.update(logit_row_stats=logit_row_stats, logit_row_grad=logit_row_grad)
 # The row kernels read fp32 logits: they build per output dtype, not for test_aot's bf16 default.
 ROW_DTYPES = {"logit_row_stats": ("fp32",), "logit_row_grad": ("fp32", "bf16")}
+# The attention variants build for the dtypes their models train in (bf16) and the tests' fp32.
+ROW_DTYPES.update(dict.fromkeys(VARIANT_KERNELS, ("bf16", "fp32")))
 
 
 # -- the decode step's elementwise kernels and the sampler (memory-bound: 16-byte accesses, no spills) --

@@ -43,18 +43,28 @@ class Tiles(NamedTuple):
     num_stages: int
 
 
-def tiles_for(group: int, max_query_len: int, dtype: torch.dtype) -> Tiles:
+def tiles_for(group: int, max_query_len: int, dtype: torch.dtype, head_dim: int = 128) -> Tiles:
     """Tile settings; each one builds without register spills for sm_90 and sm_80 at head_dim 128 (tests/aot.py).
 
     Decode (one query token per sequence) takes the smallest tile that holds a GQA group: 16 x 64 with 4 warps,
     96/117 registers (sm_90/sm_80) in bf16. Prefill takes 64 query rows per K/V load: 64 x 64 with 4 warps spills
-    on sm_80 (255 registers), with 8 warps it needs 140/172. fp32 ("ieee" products) spills at every tile above
-    16 x 64 with one stage (146/250 registers). `dtype` is the queries' (the model's): over fp8 pages, widened to it
+    on sm_80 (255 registers), with 8 warps it needs 140/172. fp32 ("ieee" products) takes 16 x 32 with 8 warps and
+    one stage at every head dim: 64-166 registers (16 x 64 with 4 warps spills with gpt-oss's sinks and at 256+). `dtype` is the queries' (the model's): over fp8 pages, widened to it
     on load, the bf16 tiles need 148 (decode) and 127 (prefill) registers on sm_90, without spills.
+
+    Wider heads keep the query rows and shorten the K/V tiles: head_dim 256 (Gemma 2/3) decodes 16 x 32 with 4 warps
+    (123/156 registers, 42 KB shared) and prefills 64 x 32 with 8 (183/189, 98/70 KB); head_dim 512 (Gemma 4's global
+    layers) 16 x 32 with 8 warps (113/111, 83 KB) and 32 x 32 with 8 (144/182, 100 KB). 64 x 64 at 512 spills and
+    needs 320 KB of shared memory, more than an H100 has (228 KB).
     """
     smallest = max(MIN_DOT, triton.next_power_of_2(group))
-    if dtype == torch.float32:
-        return Tiles(smallest, 64, 4, 1)
+    if dtype == torch.float32:  # ("ieee" products on the FMA units: 32-position tiles over 8 warps)
+        return Tiles(smallest, 32, 8, 1)
+    if head_dim > 128:  # Gemma's 256 and Gemma 4's global 512: shorter K/V tiles (and 8 warps at 512 or prefill)
+        wide = head_dim > 256
+        if max_query_len == 1:
+            return Tiles(smallest, 32, 8 if wide else 4, 2)
+        return Tiles(max(32 if wide else 64, smallest), 32, 8, 2)
     if max_query_len == 1:
         return Tiles(smallest, 64, 4, 2)
     return Tiles(max(64, smallest), 64, 8, 2)

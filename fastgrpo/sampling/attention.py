@@ -59,9 +59,10 @@ class PagedBatch:
         return replace(self, slot_mapping=self.pool_slots[pool], block_tables=self.pool_tables[pool])
 
 
-def triton_tiles(query_lens: list[int], group: int, dtype: torch.dtype) -> tuple[Tiles, list[int], list[int]]:
+def triton_tiles(query_lens: list[int], group: int, dtype: torch.dtype,
+                 head_dim: int = 128) -> tuple[Tiles, list[int], list[int]]:
     """The triton backend's tile settings for a step, and each program's tile: (sequence, first new token)."""
-    tiles = tiles_for(group, max(query_lens), dtype)
+    tiles = tiles_for(group, max(query_lens), dtype, head_dim)
     tile_seqs, tile_starts = attention_tiles(query_lens, tiles.block_m // group)
     return tiles, tile_seqs, tile_starts
 
@@ -78,6 +79,7 @@ def build_paged_batch(
     rows_max_context: int = 0,
     query_dtype: torch.dtype | None = None,  # the model's, when the cache's is not (fp8); picks the triton tiles
     kv_scales: torch.Tensor | None = None,  # [layers, 2, Hkv] fp32, for an fp8 cache
+    head_dim: int = 128,  # the widest layer's (one tile setting serves every layer)
 ) -> PagedBatch:
     """The batch of one eager forward: first the decode rows (`rows`: device tensors of one new token per sequence,
     from DecodeBatch.inputs, whose longest context is `rows_max_context`), then the host lists' sequences; tiles
@@ -116,7 +118,7 @@ def build_paged_batch(
     tiles, tile_seqs, tile_starts = None, None, None
     max_query_len = max(query_lens, default=1)
     if backend == "triton":  # a decode row is one tile: (its row, token 0)
-        tiles = tiles_for(group, max_query_len, query_dtype or kv_cache.dtype)
+        tiles = tiles_for(group, max_query_len, query_dtype or kv_cache.dtype, head_dim)
         seqs, starts = attention_tiles(query_lens, tiles.block_m // group)
         tile_seqs = torch.cat([row_starts[:num_rows], tensor(seqs, torch.int32) + num_rows])
         tile_starts = torch.cat([torch.zeros_like(row_starts[:num_rows]), tensor(starts, torch.int32)])

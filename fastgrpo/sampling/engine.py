@@ -188,6 +188,9 @@ class Engine:
         first = self.layer_model.layers[0]
         self.num_layers = len(self.layer_model.layers)  # attention layers (their slots in the cache)
         self.num_heads, self.num_kv_heads, self.head_dim = first.query_heads, first.kv_heads, first.key_dim
+        # One Triton tile setting serves every layer: it holds the largest GQA group and fits the widest head.
+        self._group = max(layer.query_heads // layer.kv_heads for layer in self.layer_model.layers)
+        self._widest = max(layer.key_dim for layer in self.layer_model.layers)
         self.device = self.hf_model.get_input_embeddings().weight.device
         self.dtype = self.hf_model.get_input_embeddings().weight.dtype
         self.fp8 = self.config.kv_cache_dtype == "fp8"
@@ -473,7 +476,7 @@ class Engine:
     def _decode_graphs(self, kv_cache: torch.Tensor, max_blocks_per_seq: int) -> DecodeGraphs | None:
         if not (self.config.cuda_graphs and self.device.type == "cuda" and self.backend in ("triton", "flash")):
             return None
-        tiles, _, _ = triton_tiles([1], self.num_heads // self.num_kv_heads, self.dtype)  # one token per sequence
+        tiles, _, _ = triton_tiles([1], self._group, self.dtype, self._widest)  # one token per sequence
         return DecodeGraphs(self._forward, kv_cache, self.config.max_num_seqs, max_blocks_per_seq, self.backend,
                             tiles)  # fmt: skip
 
@@ -515,10 +518,10 @@ class Engine:
             kv_cache = KVCache.from_tensor(kv_cache, self.layer_model)
             if host is not None:
                 host = replace(host, slots=[host.slots[0]], block_tables=[host.block_tables[0]])
-        group = max(layer.query_heads // layer.kv_heads for layer in self.layer_model.layers)
         lists = (host.slots, host.block_tables, host.query_lens, host.context_lens) if host else ([], [], [], [])
-        paged = build_paged_batch(kv_cache, *lists, self.backend, group, rows=rows, rows_max_context=rows_max_context,
-                                  query_dtype=self.dtype)  # fmt: skip
+        paged = build_paged_batch(kv_cache, *lists, self.backend, self._group, rows=rows,
+                                  rows_max_context=rows_max_context, query_dtype=self.dtype,
+                                  head_dim=self._widest)  # fmt: skip
         input_ids = rows["input_ids"] if rows else None
         positions = rows["positions"] if rows else None
         keep = 0  # decode rows only: every token samples

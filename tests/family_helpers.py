@@ -32,6 +32,11 @@ FAMILIES = {
     "cohere": dict(logit_scale=0.25),  # Command-R's 0.0625 bends the probe's logits too little to tell apart
 }
 MOE = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+# Gemma 4's other layer kinds: its MoE block (26B-A4B), and layers that read an earlier layer's keys and values (E2B,
+# E4B): with 4 layers, the last two share the first two's.
+GEMMA4_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+GEMMA4_KV_SHARED = dict(num_hidden_layers=4, num_kv_shared_layers=2, layer_types=["sliding_attention",
+                                                                                  "full_attention"] * 2)
 
 
 def tiny_model(family: str, **options) -> PreTrainedModel:

@@ -4,7 +4,7 @@ LoRA on the experts (peft's target_parameters), on tiny random models built from
 
 import pytest
 import torch
-from family_helpers import MOE, save_tiny_model, tiny_model
+from family_helpers import GEMMA4_MOE, MOE, save_tiny_model, tiny_model
 from train_helpers import make_config
 from transformers import AutoModelForCausalLM
 
@@ -120,7 +120,6 @@ def test_router_aux_loss_coef_on_a_dense_model_is_one_line(assets, tmp_path, cap
 ATTENTION = ["self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]
 MLP = ["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj"]
 EXPERTS = ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
-GEMMA4_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
 # family -> (the linear layers of a decoder layer with adapters, the parameters with adapters): what docs/training.md
 # says. The routers (Qwen2-MoE's shared_expert_gate, Gemma 4's router.proj) and the output head have none.
 DEFAULT_TARGETS = {

@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fastgrpo.cli import main
 from fastgrpo.train import checkpoint
+from fastgrpo.train.config import DEFAULT_RECIPE
 from fastgrpo.train.logs import read_metrics
 
 TINY = ["--max-completion-length", "4", "-G", "4", "--per-device-train-batch-size", "8", "--eval-num-samples", "4",
@@ -56,6 +58,24 @@ def test_reward_module_in_the_working_directory_imports_from_the_console_script(
     done = subprocess.run([str(script), "train", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "rewards/short/mean" in (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_a_user_reward_function_on_the_builtin_task_prints_no_third_party_line(tmp_path):
+    """`fastgrpo train --reward-funcs my.py:fn accuracy`: the reward function gets a transformers TrainerState, whose
+    import pulls in peft and bitsandbytes; bitsandbytes logged "Failed to load CPU gemm_4bit_forward from
+    kernels-community ..." as it was imported on a CPU with AVX512-BF16 (issue 41). stderr holds fastgrpo's own line
+    only; stdout the progress and the summary."""
+    (tmp_path / "my.py").write_text("def fn(completions, **kwargs):\n    return [-len(c) / 10 for c in completions]\n")
+    done = subprocess.run([sys.executable, "-m", "fastgrpo", "train", "--reward-funcs", "my.py:fn", "accuracy",
+                           "--max-steps", "1", "--eval-num-samples", "8", "--output-dir", "run"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.splitlines() == [
+        f"fastgrpo train: no --config: the built-in arithmetic recipe ({DEFAULT_RECIPE})"], done.stderr
+    assert all(line.startswith(("step 1/1", "fastgrpo: held-out accuracy")) for line in done.stdout.splitlines()), (
+        done.stdout)
+    assert "rewards/fn/mean" in (tmp_path / "run" / "metrics.jsonl").read_text()
 
 
 # -- data rows, checked at load -------------------------------------------------------------------------------------
@@ -225,6 +245,26 @@ def test_resume_of_an_overwrite_run_works_and_counts_the_steps_it_ran(run_copy, 
     main(["train", "--output-dir", str(run_copy), "--resume", "--max-steps", "3"])
     summary = capsys.readouterr().out.strip().splitlines()[-1]
     assert "steps 3-3 in" in summary and "resumed from step 2 (3 steps in" in summary
+
+
+def test_resume_with_changed_options_says_so_and_keeps_the_earlier_config(run_copy, capsys):
+    """Issue 41: a resume that changes options (not the model's or optimizer's, which are refused) says in one line
+    what changed and keeps the config steps 1-2 ran with in config_history.yaml; config.yaml holds the new one."""
+    earlier = yaml.safe_load((run_copy / "config.yaml").read_text())
+    main(["train", "--output-dir", str(run_copy), "--resume", "--max-steps", "3", "--temperature", "0.9"])
+    history = run_copy / "config_history.yaml"
+    assert capsys.readouterr().err.splitlines() == [
+        "fastgrpo train: resuming at step 2 with changed options: --temperature 1.0 -> 0.9, --max-steps 2 -> 3; steps "
+        f"up to 2 ran with the earlier ones, kept in {history}"]
+    assert yaml.safe_load(history.read_text()) == [{"until_step": 2, "config": earlier}]
+    now = yaml.safe_load((run_copy / "config.yaml").read_text())
+    assert (now["temperature"], now["max_steps"]) == (0.9, 3)
+    shutil.rmtree(run_copy / "checkpoint-3")  # as if killed before it: resumed from step 2 again, nothing changed
+    main(["train", "--output-dir", str(run_copy), "--resume"])
+    assert "changed options" not in capsys.readouterr().err
+    assert yaml.safe_load(history.read_text()) == [{"until_step": 2, "config": earlier}]
+    main(["train", "--output-dir", str(run_copy), "--resume", "--max-steps", "4"])  # from step 3: one more entry
+    assert [e["until_step"] for e in yaml.safe_load(history.read_text())] == [2, 3]
 
 
 def test_resume_refuses_another_model(run_copy, capsys, tmp_path, assets):

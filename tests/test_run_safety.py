@@ -282,6 +282,22 @@ def test_output_dir_that_is_a_file_or_read_only_is_refused_before_the_model_load
 # -- stopped runs: Ctrl-C, SIGTERM, SIGKILL ---------------------------------------------------------------------------
 
 
+@pytest.fixture
+def own_signals():
+    """The dispositions of an interactive shell's foreground process, whatever this one inherited: Python's
+    KeyboardInterrupt for SIGINT, the default for SIGTERM; the inherited ones again after the test. A background job
+    of a non-interactive shell starts with SIGINT ignored (and nohup or a supervisor may set others), and a signal
+    ignored there is ignored by the run too, as a shell user expects of a background job."""
+    inherited = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for signum, handler in inherited.items():
+            signal.signal(signum, handler)
+
+
 def signalled_in_step(step: int, signum: int):
     """A Trainer.train_step that sends `signum` to this process in `step` (real signals: Ctrl-C is SIGINT)."""
     original = Trainer.train_step
@@ -308,7 +324,7 @@ def stop_message(err: str) -> list[str]:
 
 @pytest.mark.parametrize("signum, name", [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
 def test_stop_signals_print_the_last_checkpoint_and_the_command_to_resume(assets, tmp_path, monkeypatch, capsys,
-                                                                           signum, name):
+                                                                           own_signals, signum, name):
     original = Trainer.train_step
     monkeypatch.setattr(Trainer, "train_step", signalled_in_step(2, signum))
     make_config(assets, tmp_path, max_steps=2, **SMALL).save_yaml(tmp_path / "run.yaml")
@@ -325,7 +341,7 @@ def test_stop_signals_print_the_last_checkpoint_and_the_command_to_resume(assets
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
 
 
-def test_stop_before_the_first_checkpoint_says_how_to_start_over(assets, tmp_path, monkeypatch, capsys):
+def test_stop_before_the_first_checkpoint_says_how_to_start_over(assets, tmp_path, monkeypatch, capsys, own_signals):
     monkeypatch.setattr(Trainer, "train_step", signalled_in_step(1, signal.SIGINT))
     argv = ["--model-name-or-path", assets["model"], "--dataset-name", assets["data"], "--output-dir",
             str(tmp_path / "run"), "--max-completion-length", "5", "--eval-num-samples", "4", "--disable-tqdm",

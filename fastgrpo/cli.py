@@ -12,7 +12,7 @@ from fastgrpo.train import cli as train_cli
 SUITES = {"loss": "fastgrpo.bench.loss", "sampling": "fastgrpo.bench.sampling", "trl": "fastgrpo.bench.trl_step",
           "step": "fastgrpo.bench.step", "cpu-memory": "fastgrpo.bench.cpu_memory",
           "decode-bytes": "fastgrpo.bench.decode_bytes", "memory-plan": "fastgrpo.bench.memory_plan",
-          "agent": "fastgrpo.bench.agent_rollout"}
+          "agent": "fastgrpo.bench.agent_rollout", "architectures": "fastgrpo.bench.architectures"}
 DEFAULT_SUITE = "loss"
 
 

@@ -80,4 +80,5 @@ def test_fastgrpo_bench_lists_every_suite(capsys):
     assert done.value.code == 0
     text = capsys.readouterr().out
     assert all(name in text for name in SUITES)
-    assert {"agent", "cpu-memory", "decode-bytes", "memory-plan", "loss", "sampling", "trl", "step"} == set(SUITES)
+    assert {"agent", "architectures", "cpu-memory", "decode-bytes", "memory-plan", "loss", "sampling", "trl",
+            "step"} == set(SUITES)

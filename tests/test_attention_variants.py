@@ -222,3 +222,46 @@ def test_triton_kernel_variants_match_the_reference(variant):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     plain = reference_paged_attention(q, k_cache, v_cache, tables, context, starts, 0.25)
     assert (plain - want).abs().max() > 1e-2  # the variant changes the output
+
+
+# -- fp8 pages: the families whose keys and values kv_scales bounds from the weights --
+
+FP8_FAMILIES = ["mistral", "qwen2", "gemma2", "gemma3_text", "gpt_oss"]
+
+
+@pytest.mark.parametrize("name", FP8_FAMILIES)
+def test_fp8_scales_bound_every_key_and_value(name, monkeypatch):
+    """No key or value passes its scale's 448 (nothing clamped), and the scales are not loose (the largest use the
+    top bits of e4m3's range); sampled tokens stay close to the model's (fp8 rounds each cached value by <= 2^-4)."""
+    model = build(name)
+    seen = []
+    quantize = attention_module.quantize_kv
+    monkeypatch.setattr(attention_module, "quantize_kv",
+                        lambda x, scale: seen.append((x.float() / scale[:, None]).abs().amax().item()) or
+                        quantize(x, scale))  # fmt: skip
+    engine = engine_for(model, kv_cache_dtype="fp8")
+    out = engine.generate(prompts(), n=2, params=SamplingParams(temperature=1.0, max_new_tokens=24, seed=3, **NO_STOP))
+    assert 448 / 64 < max(seen) <= 448, max(seen)
+    errors = []
+    for prompt, group in zip(prompts(), out, strict=True):
+        for c in group:
+            logp = full_forward_logits(model, prompt, c.token_ids).log_softmax(-1)
+            errors.append((logp.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0] - torch.tensor(c.logprobs)).abs())
+    assert torch.cat(errors).mean() < 0.1, torch.cat(errors).mean()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss"])
+def test_fp8_triton_kernels_sample_the_torch_fp8_tokens(name):
+    model = build(name)
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=3, **NO_STOP)
+    want = engine_for(model, kv_cache_dtype="fp8").generate(prompts(), n=2, params=params)
+    got = engine_for(model, kv_cache_dtype="fp8", attention="triton").generate(prompts(), n=2, params=params)
+    assert tokens_of(got) == tokens_of(want)
+
+
+@pytest.mark.parametrize("name", ["gemma4_text", "deepseek_v3"])
+def test_fp8_is_refused_in_one_line_where_the_keys_are_not_bounded(name):
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' bounds") as e:
+        engine_for(build(name), kv_cache_dtype="fp8")
+    assert "\n" not in str(e.value)

@@ -216,17 +216,31 @@ class FusedDecoder:
 # -- fp8 KV cache: per-head scales from a bound on the keys and values --
 
 
+# The families whose layers kv_scales reads: an RMSNorm before k_proj / v_proj (nn.Linear, LoRA or 4-bit), optional
+# per-head RMSNorm on keys, none on values, rotary over halves of each head (transformers' rotate_half).
+FP8_FAMILIES = (*FAMILIES, "MistralForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")
+
+
 def kv_scales_unsupported(hf_model) -> str | None:
     """Why kv_scales cannot bound this model's keys and values; None when it can."""
     name = type(hf_model).__name__
-    if name not in FAMILIES:
-        return f"{name} is not one of {', '.join(FAMILIES)}"
+    if name not in FP8_FAMILIES:
+        return f"{name} is not one of {', '.join(FP8_FAMILIES)}"
     for index, layer in enumerate(hf_model.model.layers):
+        if "RMSNorm" not in type(layer.input_layernorm).__name__:
+            return f"layers[{index}].input_layernorm is a {type(layer.input_layernorm).__name__}, not an RMSNorm"
         for proj in ("k_proj", "v_proj"):
             reason = _linear_unsupported(getattr(layer.self_attn, proj))
             if reason is not None:
                 return f"layers[{index}].{proj} is {reason}"
     return None
+
+
+def _norm_gain(norm: nn.Module) -> torch.Tensor:
+    """fp32 [dim]: what an RMSNorm multiplies the normalised input by: its weight, or 1 + weight for Gemma's."""
+    weight = _dense(norm.weight).float()
+    return 1.0 + weight if type(norm).__name__.startswith("Gemma") else weight
 
 
 def _is_lora(module) -> bool:
@@ -289,12 +303,13 @@ def kv_scales(hf_model) -> torch.Tensor:  # [layers, 2, Hkv] fp32
     and a GPU round the same values the same way. A value can pass the bound only by the rounding of the model's
     dtype (< 1% in bf16); it is then clamped to +-448 (attention.quantize_kv, the rope_store kernel)."""
     inner = hf_model.model
-    rotary_gain = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))  # (YaRN scales cos and sin)
+    # (YaRN scales cos and sin; Gemma 3 keeps one rotary per layer type, each with its own `<type>_attention_scaling`)
+    rotary_gain = max([float(v) for k, v in vars(inner.rotary_emb).items() if k.endswith("attention_scaling")] or [1.0])
     per_layer = []
     for layer in inner.layers:
         attn = layer.self_attn
         head_dim = attn.head_dim
-        gamma = _dense(layer.input_layernorm.weight).float()  # [H]
+        gamma = _norm_gain(layer.input_layernorm)  # [H]
         bounds = []
         for proj in (attn.k_proj, attn.v_proj):
             weight, bias = linear_weight(proj)
@@ -303,7 +318,7 @@ def kv_scales(hf_model) -> torch.Tensor:  # [layers, 2, Hkv] fp32
         k_bound, v_bound = bounds
         k_norm = getattr(attn, "k_norm", None)
         if k_norm is not None:
-            k_bound = head_dim**0.5 * _dense(k_norm.weight).float().abs().expand_as(k_bound)
+            k_bound = head_dim**0.5 * _norm_gain(k_norm).abs().expand_as(k_bound)
         half = head_dim // 2
         rotated = rotary_gain * (k_bound[:, :half] ** 2 + k_bound[:, half:] ** 2).sqrt()  # [Hkv, D / 2]
         per_layer.append(torch.stack([rotated.amax(-1), v_bound.amax(-1)]))  # [2, Hkv]

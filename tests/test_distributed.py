@@ -218,6 +218,47 @@ def test_a_failing_rank_stops_every_rank(tied, tmp_path, hang):
                     done.stderr[-3000:])
 
 
+FAILING_ON_RANK_1 = """
+import os
+
+
+def failing(what):
+    if os.environ["RANK"] == "1" and os.environ["FAIL"] == what:
+        raise RuntimeError(f"rank one's {what} is broken")
+
+
+def reward(prompts, completions, **columns):
+    failing("reward")
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def rollout(prompts, trainer):
+    failing("rollout")
+    n = len(prompts)
+    return {"prompt_ids": [[1, 2]] * n, "completion_ids": [[3, 4]] * n, "logprobs": None}
+"""
+
+
+@pytest.mark.parametrize("failing", ["reward", "rollout"])
+@pytest.mark.slow
+def test_a_rank_failing_before_the_first_step_leaves_no_run(tied, tmp_path, failing):
+    """Issue 41: a reward function or rollout_func that raises on rank 1 before step 1 is done: rank 0 removes what
+    the run wrote, as one process does (before: the folder stayed, and the same command was then refused)."""
+    (tmp_path / "failing_on_rank_1.py").write_text(FAILING_ON_RANK_1)
+    run = tmp_path / "run"
+    values = options(tied, run, per_device_train_batch_size=4, ddp_timeout=60, parallelism="ddp",
+                     reward_funcs=["failing_on_rank_1:reward"],
+                     **({"rollout_func": "failing_on_rank_1:rollout"} if failing == "rollout" else {}))
+    done = torchrun("-m", "fastgrpo", "train", *flags(values), timeout=240,
+                    env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "FAIL": failing})
+    assert done.returncode != 0
+    said = {"reward": "reward function 'failing_on_rank_1:reward' raised RuntimeError: rank one's reward is broken",
+            "rollout": "rollout_func 'failing_on_rank_1:rollout' raised RuntimeError: rank one's rollout is broken"}
+    assert "fastgrpo train: error: rank 1 failed in " in done.stderr, done.stderr[-3000:]
+    assert said[failing] in done.stderr, done.stderr[-3000:]
+    assert not run.exists(), sorted(p.name for p in run.iterdir())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fsdp_step_on_gpus(tied, tmp_path):
     """One FSDP2 step on the GPUs there are (NCCL; bf16 weights, fp32 gradient reduction): two GPUs, or one GPU as a

@@ -495,8 +495,9 @@ def tool_content(result) -> str | list:
     return result if result and _is_content_blocks(result) else str(result)
 
 
-def tool_message(name: str, content: str | list) -> dict:
-    return {"role": "tool", "name": name, "content": content}
+def tool_message(name: str, result) -> dict:
+    """A result as the tool message TRL writes, its content as tool_content makes it."""
+    return {"role": "tool", "name": name, "content": tool_content(result)}
 
 
 class ToolRunner:

@@ -169,7 +169,10 @@ def test_plan_counts_the_layer_options_and_fp8_kv():
                                        shapes=shapes).phases["train: backward"]["layer backward"]
     plain = backward(recompute_lora_inputs=False)
     masked = backward(recompute_lora_inputs=False, mask_free_attention=False)
-    assert masked - plain == tokens * 2 * q * 2 + 8 * T * T * 3  # GQA's repeated K, V and the mask with its copy
+    assert masked - plain == tokens * 2 * q * 2 + 8 * T * T * 2  # GQA's repeated K, V and SDPA's copy of the mask
+    held = plan_memory(make_config_for(QWEN_7B, use_peft=True, bf16=True, mask_free_attention=False), shapes=shapes)
+    assert all(held.phases[p]["attention masks"] == 8 * T * T for p in held.phases if p.startswith("train: ") and
+               "optimizer" not in p)  # the boolean mask: held by every checkpointed layer's inputs, the loss's too
     peft_inputs = 5 * (3 * H + q + 2 * H + inter)  # fp32 and a dropout mask per input value
     assert plain - backward() == tokens * peft_inputs
     config = make_config_for(QWEN_7B, use_peft=True, bf16=True)
@@ -306,3 +309,205 @@ def test_plan_says_when_the_kv_pool_is_cut(tmp_path, capsys):
     assert line.endswith("(one completion at a time)") and int(line.split()[2]) > 1.9 * blocks
     main([*args[:-2], "80GiB", "--auto-fit"])
     assert "KV pool: " not in capsys.readouterr().out
+
+
+# -- the 2026 families: per-layer shapes, page groups, and what train refuses (issues 38, 41) ------------------------
+
+
+def family_config(family: str, **options):
+    """A tiny config of `family` (family_helpers' sizes: hidden 64, windows of 8, 4 experts top-2)."""
+    from family_helpers import COMMON, FAMILIES
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(family, **{**COMMON, **FAMILIES[family], **options}, vocab_size=128)
+
+
+def gpt2_config():
+    from transformers import GPT2Config
+
+    return GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=256, bos_token_id=0, eos_token_id=0)
+
+
+def lora_config(**overrides):
+    """LoRA r 16 without dropout (LoRA on experts takes none), G 8, 64 + 192 tokens, micro-batch 2."""
+    values = dict(model_name_or_path="tiny", dataset_name="builtin", use_peft=True, lora_dropout=0.0, num_generations=8,
+                  max_completion_length=192, max_prompt_length=64, per_device_train_batch_size=2,
+                  gradient_accumulation_steps=4, bf16=True)
+    from fastgrpo.train import TrainConfig
+
+    return TrainConfig(**{**values, **overrides})
+
+
+# family -> (the kinds of layer: (query heads, K/V heads, key dim, window, KV-shared, sinks, dense width, experts))
+FAMILY_LAYERS = {
+    "gpt2": {(4, 4, 16, None, False, False, 256, 0)},  # Conv1D projections, no intermediate_size in the config
+    "gpt_oss": {(4, 2, 16, 8, False, True, 0, 4), (4, 2, 16, None, False, True, 0, 4)},
+    "gemma3_text": {(4, 2, 16, 8, False, False, 128, 0), (4, 2, 16, None, False, False, 128, 0)},
+    "gemma4_text": {(4, 2, 16, 8, False, False, 128, 0), (4, 2, 32, None, False, False, 128, 0),
+                    (4, 2, 16, 8, True, False, 256, 0), (4, 2, 32, None, True, False, 256, 0)},
+    "qwen3_moe": {(4, 2, 16, None, False, False, 0, 4)},
+    "mistral": {(4, 2, 16, 8, False, False, 128, 0)},  # the window comes from the config, for every layer
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_LAYERS)
+def test_each_family_is_read_layer_by_layer_and_planned(family):
+    """Each layer's heads, head dims, window, shared K/V, sinks and MLP or experts, as its modules and the engine's
+    probe say (not one global head_dim or intermediate_size: GPT-2's config has none, Gemma 4's global layers have
+    their own head dim, its last layers share K/V and have twice the MLP); every phase planned; the KV pools hold
+    block_size x kv_heads x (key dim + value dim) bytes a page for each layer that keeps pages."""
+    from family_helpers import GEMMA4_KV_SHARED
+
+    from fastgrpo.train.plan import ENGINE, kv_pool_bytes, window_group_pages
+
+    options = {"gemma4_text": {**GEMMA4_KV_SHARED, "use_double_wide_mlp": True},  # as E2B: shared layers' MLP x 2
+               "gemma3_text": {"layer_types": ["sliding_attention", "full_attention"]}}
+    config = gpt2_config() if family == "gpt2" else family_config(family, **options.get(family, {}))
+    shapes = model_shapes(config)
+    kinds = {(layer.heads, layer.kv_heads, layer.head_dim, layer.window, layer.kv_shared, layer.sinks,
+              layer.intermediate, layer.experts) for layer in shapes.per_layer}
+    assert kinds == FAMILY_LAYERS[family]
+    plan = plan_memory(lora_config(), shapes=shapes)
+    assert all(plan.peak(phase) > plan.phases[phase]["weights"] for phase in plan.phases)
+    N, bs = plan.settings["kv_blocks"], 16
+    pools = {window: 0 for window in {None, *shapes.windows}}
+    for layer in shapes.per_layer:
+        if not layer.kv_shared:
+            pools[layer.window] += bs * layer.kv_heads * (layer.head_dim + layer.v_head_dim) * 2
+    want = {"KV pool" if w is None else f"KV pool, window {w}":
+            (N + 1 if w is None else window_group_pages(w, N, bs, ENGINE.max_num_seqs, ENGINE.max_num_batched_tokens)
+             + 1) * page for w, page in pools.items()}
+    assert kv_pool_bytes(shapes, N, bs, 2) == want
+    assert {k: v for k, v in plan.phases["sampling"].items() if k.startswith("KV pool")} == want
+
+
+def test_window_group_pages():
+    """A window's pool: (max_num_seqs + 1) x (ceil((w - 1) / block_size) + 2) + ceil(max_num_batched_tokens /
+    block_size) pages, never more than the logical pool's."""
+    from fastgrpo.train.plan import window_group_pages
+
+    assert window_group_pages(1024, 10**6, 16, 256, 8192) == 257 * (64 + 2) + 512  # ceil(1023 / 16) = 64
+    assert window_group_pages(128, 10**6, 16, 256, 8192) == 257 * (8 + 2) + 512
+    assert window_group_pages(129, 10**6, 16, 256, 8192) == 257 * (8 + 2) + 512  # 128 / 16: still 8 pages
+    assert window_group_pages(130, 10**6, 16, 256, 8192) == 257 * (9 + 2) + 512
+    assert window_group_pages(1024, 2000, 16, 256, 8192) == 2000  # at most the logical pool
+    assert window_group_pages(8, 10**6, 16, 4, 64) == 5 * (1 + 2) + 4
+
+
+def test_sliding_only_and_shared_kv_pools():
+    """Mistral (every layer sliding): the logical pool costs no bytes; the window's pool is the cap. Gemma 4's
+    KV-shared layers keep no pages: the pools are their sources' only. A pool cut by auto-fit shrinks the windows'
+    pools only below their cap."""
+    from family_helpers import GEMMA4_KV_SHARED
+
+    from fastgrpo.train.plan import ENGINE, kv_pool_bytes, window_group_pages
+
+    mistral = model_shapes(family_config("mistral"))
+    pools = kv_pool_bytes(mistral, 5000, 16, 2)
+    cap = window_group_pages(8, 5000, 16, ENGINE.max_num_seqs, ENGINE.max_num_batched_tokens)
+    assert cap == 257 * 3 + 256 < 5000
+    assert pools["KV pool"] == 0 and pools["KV pool, window 8"] == (cap + 1) * 16 * 2 * (16 + 16) * 2 * 2  # 2 layers
+    gemma4 = model_shapes(family_config("gemma4_text", **GEMMA4_KV_SHARED))
+    shared = kv_pool_bytes(gemma4, 100, 16, 2)
+    own = [layer for layer in gemma4.per_layer if not layer.kv_shared]
+    assert len(own) == 2 and shared == {"KV pool": 101 * 16 * 2 * (32 + 32) * 2,  # the global layer's head dim
+                                        "KV pool, window 8": 101 * 16 * 2 * (16 + 16) * 2}
+    assert kv_pool_bytes(gemma4, 10, 16, 1)["KV pool, window 8"] == 11 * 16 * 2 * (16 + 16)  # fp8: 1 byte a value
+
+
+def test_experts_and_their_lora_are_planned():
+    """gpt-oss-20b (its published config): 19.1 of its 20.9B parameters are experts' 3-D weights, which bitsandbytes
+    does not quantize (4-bit: only the linear layers), and LoRA on them (lora_experts) forms each layer's whole
+    effective weight every forward: 1.5 GiB a layer in bf16, in sampling too."""
+    from transformers import AutoConfig
+
+    from fastgrpo.train.plan import weight_bytes
+
+    shapes = model_shapes(AutoConfig.from_pretrained(MODELS / "gpt-oss-20b"))
+    assert round(shapes.params / 1e9, 2) == 20.91 and round(shapes.expert_params / 1e9, 2) == 19.11
+    four_bit = lora_config(load_in_4bit=True, max_completion_length=1024)
+    assert weight_bytes(shapes, four_bit, 2) > 2 * shapes.expert_params  # the experts stay bf16
+    with_experts, frozen = plan_memory(four_bit, shapes=shapes), plan_memory(lora_config(
+        load_in_4bit=True, max_completion_length=1024, lora_experts=False), shapes=shapes)
+    per_layer = 32 * (2880 * 5760 + 2880 * 2880) * 2  # [E, H, 2I] and [E, I, H] in bf16
+    assert per_layer == pytest.approx(1.48 * GiB, rel=0.01)
+    engine = lambda plan: plan.phases["sampling"]["engine forward"]
+    assert engine(with_experts) - engine(frozen) >= per_layer * 2 // 3  # gate_up's at least
+    backward = lambda plan: plan.phases["train: backward"]["layer backward"]
+    assert backward(with_experts) > max(backward(frozen), per_layer * 4 // 3)  # the weights and down's gradient
+    with pytest.raises(ValueError, match=r"^lora_dropout 0.05: LoRA on the experts of GptOssForCausalLM"):
+        plan_memory(lora_config(lora_dropout=0.05), shapes=shapes)  # what add_adapters (train) says
+
+
+def test_gpt2_and_a_model_the_plan_cannot_count_through_the_cli(tmp_path, capsys):
+    """Issue 41 item 5: a GPT-2 config (no intermediate_size, Conv1D projections) is planned, not a traceback; a
+    model with recurrent layers is refused in one line, the engine's own."""
+    from transformers import MambaConfig
+
+    gpt2_config().save_pretrained(tmp_path / "gpt2")
+    main(["plan", "--model-name-or-path", str(tmp_path / "gpt2"), "--use-peft", "--gpu-memory", "8GiB"])
+    out = capsys.readouterr().out
+    assert "fits in 8.0 GiB" in out and "train: backward" in out
+    MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=128, state_size=8).save_pretrained(tmp_path / "mamba")
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--model-name-or-path", str(tmp_path / "mamba")])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fastgrpo plan: error: MambaForCausalLM has linear_attention layers (config.layer_types), which the "
+                   "paged engine does not sample: it keeps keys and values of full and sliding-window attention only"]
+
+
+def test_plan_refuses_a_kv_pool_below_the_least_it_names(capsys):
+    """Issue 41 item 14: `fastgrpo plan --kv-cache-blocks` below the least pool is refused with train's own line
+    (it said "fits"); the least pool itself is planned."""
+    from fastgrpo.train.plan import least_pool_error
+
+    args = ["plan", *GRPO_7B, "--load-in-4bit", "--gpu-memory", "24GiB"]
+    with pytest.raises(SystemExit) as done:
+        main([*args, "--kv-cache-blocks", "50"])
+    assert done.value.code == 2
+    said = capsys.readouterr().err.strip()
+    needed = 256 // 16 + 1024 // 16  # the prompt's pages and one completion's
+    assert said == ("fastgrpo plan: error: --kv-cache-blocks 50 is too few: sampling needs a prompt's pages and one "
+                    "completion's (of up to --max-completion-length 1024 tokens; the --num-generations 8 completions "
+                    f"can run one after another), {needed} pages of 16 tokens; give at least {needed}, or leave it "
+                    "unset to size the pool from --sampling-memory-fraction")
+    assert str(least_pool_error(make_config_for(QWEN_7B), 50, needed)).startswith("kv_cache_blocks 50 is too few")
+    main([*args, "--kv-cache-blocks", str(needed)])
+    assert f"kv_blocks {needed}," in capsys.readouterr().out
+
+
+def test_plan_advice_is_at_the_configured_micro_batch(capsys):
+    """Issue 41 item 15: the options `fastgrpo plan` suggests are planned at the configured micro-batch, which the
+    line names: each figure is what adding that option alone to the command gives."""
+    with pytest.raises(SystemExit) as done:
+        main(["plan", *GRPO_7B[:-3], "--gpu-memory", "24GiB"])  # full fine-tuning, micro-batch 8
+    assert done.value.code == 1
+    said = capsys.readouterr().err.strip()
+    assert said.startswith("fastgrpo plan: does not fit; at --per-device-train-batch-size 8, with --use-peft: ")
+    first = float(said.split("with --use-peft: ")[1].split(" GiB")[0])
+    peft = plan_memory(make_config_for(QWEN_7B, use_peft=True, bf16=True), shapes=model_shapes(
+        model_config(make_config_for(QWEN_7B))))
+    assert first == round(peft.peak() / GiB, 1)
+    main(["plan", *GRPO_7B[:-3], "--use-peft", "--gpu-memory", "24GiB"])  # that option alone: the same figure
+    peak = float(capsys.readouterr().out.split("; peak ")[1].split(" GiB")[0])
+    assert round(peak, 1) == first
+
+
+def test_plan_refuses_fp8_kv_where_the_engine_does(tmp_path, capsys):
+    """Issue 41 (minor): `--kv-cache-dtype fp8` for a model whose keys and values the engine cannot bound is refused
+    by `fastgrpo plan` with the engine's own line (it printed a plan)."""
+    from transformers import GPT2LMHeadModel
+
+    from fastgrpo.sampling import Engine
+    from fastgrpo.train.cli import flagged
+
+    gpt2_config().save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--model-name-or-path", str(tmp_path), "--kv-cache-dtype", "fp8"])
+    assert done.value.code == 2
+    said = capsys.readouterr().err.strip()
+    with pytest.raises(ValueError) as engine:  # what `fastgrpo train` meets, as it builds its engine
+        Engine(GPT2LMHeadModel(gpt2_config()), kv_cache_dtype="fp8")
+    assert said == f"fastgrpo plan: error: {flagged(engine.value)}"
+    assert "GPT2LMHeadModel is not one of" in said

@@ -526,17 +526,18 @@ def trace_train_step(model_config, *, dtype: torch.dtype = torch.bfloat16, micro
 
 def _output_only_attention(triton: bool) -> str:
     """The name of an engine attention backend (registered here) that allocates what the CUDA triton backend does, its
-    [T, heads, d] output, and computes nothing (the CPU's torch backend gathers each sequence's pages into a padded
-    copy per layer, which a GPU never makes). `triton`: the engine runs its Triton decode layers and sampler with it."""
+    [T, heads, value dim] output, and computes nothing, for any window, softcap or sinks (the CPU's torch backend
+    gathers each sequence's pages into a padded copy per layer, which a GPU never makes). `triton`: the engine runs
+    its Triton decode layers and sampler with it."""
     from fastgrpo.sampling.attention import register_backend
 
     name = "trace-output-only-triton" if triton else "trace-output-only"
-    register_backend(name, _attention_output, triton=triton)
+    register_backend(name, _attention_output, triton=triton, features=("window", "softcap", "sinks", "value_dim"))
     return name
 
 
-def _attention_output(query, k_cache, v_cache, batch, scale, k_scale=None, v_scale=None):
-    return torch.empty_like(query)  # [T, heads, d]
+def _attention_output(query, k_cache, v_cache, batch, scale, *args, **kwargs):
+    return query.new_empty(*query.shape[:2], v_cache.shape[-1])  # [T, heads, value dim]
 
 
 def _decode_rows(batch, num_sequences: int, pages: int, context_length: int):
@@ -619,11 +620,12 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
                    num_generations: int = 8, num_prompts: int = 1, dtype: torch.dtype = torch.bfloat16,
                    kv_cache_dtype: str = "auto", use_peft: bool = True, lora_r: int = 16, load_in_4bit: bool = False,
                    optim: str = "adamw_torch", mlp_tile_tokens: int | None = None, block_size: int = 16,
-                   params=None) -> dict:
+                   params=None, lora_dropout: float | None = None, lora_experts: bool | None = None) -> dict:
     """The sampling phase of `fastgrpo train` at real shapes on fake CPU tensors: bytes by moment.
 
     Live while the trainer samples a round: the policy as load_policy builds it for training (4-bit linears, LoRA r 16
-    on all linear layers, the tiled MLP and LoRA inputs as they come; the engine runs its no-grad forward), the
+    as add_adapters places it, `lora_dropout` and `lora_experts` TrainConfig's unless given, the tiled MLP and LoRA
+    inputs as they come; the engine runs its no-grad forward), the
     optimizer's states of a steady step (gradients are freed after each step), and what Engine.generate allocates for
     a round of `num_prompts` x `num_generations` completions of up to `completion_length` tokens: the KV cache
     (fastgrpo.sampling.kv_cache.KVCache over the engine's layer model: the logical pool of `kv_blocks` pages for the
@@ -661,10 +663,11 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
     defaults = _lora_defaults()
     config = _load_config(model_config)
     built = _build(config, dtype, use_peft=use_peft, lora_r=lora_r, lora_alpha=defaults["lora_alpha"],
-                   lora_dropout=defaults["lora_dropout"], load_in_4bit=load_in_4bit, gradient_checkpointing=False,
-                   offload_activations=False, attn_implementation=None, live=None, mlp_tile_tokens=mlp_tile_tokens,
+                   lora_dropout=defaults["lora_dropout"] if lora_dropout is None else lora_dropout,
+                   load_in_4bit=load_in_4bit, gradient_checkpointing=False, offload_activations=False,
+                   attn_implementation=None, live=None, mlp_tile_tokens=mlp_tile_tokens,
                    recompute_lora_inputs=defaults["recompute_lora_inputs"], mask_free_attention=False,
-                   recompute_norms=defaults["recompute_norms"])
+                   recompute_norms=defaults["recompute_norms"], lora_experts=lora_experts)
     model, fake = built.model, built.fake
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = _optimizer(parameters, optim, defaults)

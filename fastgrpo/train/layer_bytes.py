@@ -23,12 +23,13 @@ DROPOUT_NOISE_BYTES = 4
 # (held for the sum), mean's expanded gradient, x32^1 and 2 x32 of pow's derivative, and their product
 RMSNORM_BACKWARD_FP32 = 5
 # Eager attention (transformers' eager_attention_forward; gpt-oss's with its sink column): [m, heads, T, T (+1)]
-# score tensors of the compute dtype. Its forward holds the scores and their softmax at once; the softmax (the
-# probabilities) is what the backward keeps; the backward of its two matmuls and the softmax holds the kept
-# probabilities, their gradient and the softmax's input gradient.
-EAGER_FORWARD_SCORES = 2
+# score tensors of the compute dtype. Its forward holds three at once (the masked scores, the scores with the sink
+# column and their max subtracted, then their softmax); the softmax (the probabilities) is what the backward keeps,
+# and what the attention returns beside its output (alive through the layer's MLP); the backward of its two matmuls
+# and the softmax holds the kept probabilities, the sliced gradient and the softmax's input gradient.
+EAGER_FORWARD_SCORES = 3
 EAGER_SAVED_SCORES = 1
-EAGER_BACKWARD_SCORES = 3
+EAGER_BACKWARD_SCORES = 2
 # Routed experts (transformers' grouped_mm experts, one row per (token, expert) pair): the int64 expert ids, sort
 # permutation and its inverse, the fp32 histogram input, and the routing weight, per pair
 EXPERT_PAIR_INDEX_BYTES = 3 * 8 + 4 + 4
@@ -67,7 +68,9 @@ def attention_kind(s: Shapes, config: TrainConfig) -> str:
     """How the training forward attends: "eager" (transformers' eager attention: score tensors in memory; gpt-oss's
     own choice, having no SDPA path), "sdpa", or "flash" (any other implementation: no scores, no masks)."""
     name = config.attn_implementation or s.attention
-    return name if name in ("eager", "sdpa") else "flash"
+    if "sdpa" in name:  # transformers' SDPA, or tiling.MASK_FREE_SDPA (its masks but a right-padded batch's)
+        return "sdpa"
+    return "eager" if name == "eager" else "flash"
 
 
 def window_masked(layer: LayerShape, T: int | None) -> bool:
@@ -106,21 +109,20 @@ def mask_entry_bytes(s: Shapes, config: TrainConfig, b: int) -> int:
     return b if attention_kind(s, config) == "eager" else 1
 
 
+def held_masks_bytes(s: Shapes, config: TrainConfig, micro_batch: int, T: int, b: int) -> int:
+    """The masks the decoder builds once per forward and holds to its end (mask_kinds: SDPA's boolean ones, eager
+    attention's additive ones); under checkpointing every layer's saved inputs keep them through the loss and the
+    backward too."""
+    return len(mask_kinds(s, config, micro_batch, T)) * micro_batch * T * T * mask_entry_bytes(s, config, b)
+
+
 def layer_mask_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, micro_batch: int, T: int, b: int) -> int:
-    """This layer's own mask as its attention keeps it for its backward: with SDPA the boolean mask and SDPA's additive
-    copy of it (1 + b bytes an entry), with eager attention transformers' additive mask (b); 0 when it gets none
-    (mask_kinds)."""
-    if layer.window not in mask_kinds(s, config, micro_batch, T):
+    """SDPA's additive copy of this layer's boolean mask ([m, 1, T, T] in the compute dtype), made by its call and
+    kept for its backward; 0 for a layer without a mask (mask_kinds), and with eager attention (whose mask is added
+    to the scores: EAGER_FORWARD_SCORES)."""
+    if attention_kind(s, config) != "sdpa" or layer.window not in mask_kinds(s, config, micro_batch, T):
         return 0
-    extra = 0 if attention_kind(s, config) == "eager" else b
-    return micro_batch * T * T * (mask_entry_bytes(s, config, b) + extra)
-
-
-def other_masks_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, micro_batch: int, T: int, b: int) -> int:
-    """The masks of the other kinds of layer, held by the decoder while this one runs (Gemma 3's full layers' while a
-    sliding layer runs, gpt-oss's two)."""
-    kinds = mask_kinds(s, config, micro_batch, T)
-    return (len(kinds) - (layer.window in kinds)) * micro_batch * T * T * mask_entry_bytes(s, config, b)
+    return micro_batch * T * T * b
 
 
 def norm_keeps(config: TrainConfig, H: int, b: int, layer_norm: bool = False) -> int:
@@ -243,6 +245,21 @@ def per_layer_input_saved_per_token(layer: LayerShape, config: TrainConfig, b: i
     return b * (2 * H + 3 * layer.per_layer_input) + lora
 
 
+def experts_forward_bytes(layer: LayerShape, b: int, H: int, tokens: int) -> int:
+    """A layer's experts in a forward that keeps nothing (no grad, or checkpointed) over `tokens` tokens, the larger
+    of two moments (top_k pairs a token): the gate, the pairs' gathered input, the gate/up output [2I] (and its
+    gathered bias) and the gate's values (b (H + (2 + gate values) I)), with gate_up's effective weight under LoRA;
+    and the pairs put back in token order, four [H] rows a pair (the gathered input, down's output, its weighted
+    copy, that copy reordered) and down's gathered bias, with both effective weights under LoRA."""
+    if not layer.experts:
+        return 0
+    pairs, width, weights = tokens * layer.top_k, layer.expert_intermediate, expert_weight_bytes(layer, b)
+    bias = 1 if layer.expert_bias else 0
+    gate = pairs * (b * (H + (2 + 2 * bias + layer.expert_gate_values) * width) + EXPERT_PAIR_INDEX_BYTES)
+    down = pairs * (b * H * (4 + bias) + EXPERT_PAIR_INDEX_BYTES) + weights
+    return max(gate + weights * 2 // 3, down)
+
+
 def expert_weight_bytes(layer: LayerShape, b: int) -> int:
     """With LoRA on the experts (peft's ParamWrapper), what each forward of the layer forms: the whole effective
     weight W + B A of gate_up and of down (b bytes a value), held through the experts' call; 0 otherwise."""
@@ -257,8 +274,8 @@ def layer_backward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: i
     offload: the first layer's input, which peft's input gradient keeps, and the next layer's prefetched one; the
     recomputed input itself is kept by nothing once the recompute is done but a recomputed input norm, see
     _norms_saved_per_token), the largest of three moments. All hold the recomputed layer's attention_saved_per_token
-    and the gradient of the layer's output (H b, held for the residual branch), the layer's mask (layer_mask_bytes),
-    eager attention's kept probabilities and the experts' effective weights with LoRA on them (expert_weight_bytes).
+    and the gradient of the layer's output (H b, held for the residual branch), SDPA's copy of its mask
+    (layer_mask_bytes) and eager attention's kept probabilities.
 
     MLP (down_proj's lora_A backward): mlp_saved_per_token and the gradient of the MLP's input (H b, the tiled MLP's
     grad_x or down's output gradient), then over the MLP's tokens (one tile's, tiled): the recomputed SwiGLU (tiled:
@@ -267,7 +284,10 @@ def layer_backward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: i
     _Recomputed); without it peft's fp32 inputs of gate, up and down in the tile (tiled); full fine-tuning the gate,
     up and down weights' gradients of a tile in the compute dtype. Past one tile, three [tile, H] tensors more: the
     tile's recomputed output and two gradients of it. Experts instead: per pair the gradients of down's input, the
-    gate/up output and the gathered input (b (I + 2I + H)), and with LoRA on them the larger weight's gradient.
+    gate/up output and the gathered input (b (I + 2I + H)), and with LoRA on them their effective weights
+    (expert_weight_bytes, formed by the recompute and kept for their gradients) and a third more (down's gradient
+    beside both, or gate_up's beside its own). The attention's moments come before the MLP's recompute or after its
+    backward: no effective weights then.
 
     Post-attention norm (its PowBackward): its fp32 input and RMSNORM_BACKWARD_FP32 fp32 [T, H] temporaries, the MLP
     done (its saved tensors freed). What a tiled layer peaks at past ~4 tiles (Qwen3-8B at 2 x 110K tokens). With
@@ -289,9 +309,8 @@ def layer_backward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: i
     tiled = config.mlp_tile_tokens is not None and layer.tileable
     tile = min(config.mlp_tile_tokens, tokens) if tiled else tokens
     eager = attention_kind(s, config) == "eager"
-    common = (tokens * (attention_saved_per_token(s, layer, config, b, T) + b * H) + expert_weight_bytes(layer, b)
+    common = (tokens * (attention_saved_per_token(s, layer, config, b, T) + b * H)
               + layer_mask_bytes(s, layer, config, micro_batch, T, b)
-              + other_masks_bytes(s, layer, config, micro_batch, T, b)
               + (EAGER_SAVED_SCORES * scores(layer, micro_batch, T) * b if eager else 0))
     mlp = common + tokens * (mlp_saved_per_token(s, layer, config, b) + b * H)
     if inter:
@@ -305,8 +324,10 @@ def layer_backward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: i
             mlp += sum(i * o for i, o in layer.mlp_linears) * b
     if layer.experts:
         mlp += tokens * layer.top_k * b * (3 * layer.expert_intermediate + H)
-        if layer.expert_lora:
-            mlp += expert_weight_bytes(layer, b) * 2 // 3  # gate_up's [E, 2I, H] gradient: 2/3 of both weights
+        # the effective weights the recompute formed (kept for their gradients), and down's [E, H, I] weight
+        # gradient beside them, or after down's backward (its weight released) gate_up's [E, 2I, H] beside its own:
+        # both 4/3 of the two weights
+        mlp += expert_weight_bytes(layer, b) * 4 // 3
     if layer.layer_norm:
         norm = common + tokens * 3 * H * b
     elif config.recompute_norms:
@@ -338,7 +359,8 @@ def train_forward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: in
 
     Attention (o_proj's lora_A): the normed input, the rotated q, SDPA's output, o_proj's base output, v and the
     rotated k (b (2 H + q + o_in + k + v)) and o_proj's fp32 input copies (lora_a_input_bytes per o_in); eager
-    attention its scores and their softmax. Both beside the masks (layer_mask_bytes, other_masks_bytes)."""
+    attention its scores and their softmax. The attention's moment holds SDPA's copy of its mask
+    (layer_mask_bytes); the decoder's masks are plan_memory's (held_masks_bytes)."""
     H, inter = s.hidden, layer.intermediate
     tokens = micro_batch * T
     tiled = config.mlp_tile_tokens is not None and layer.tileable
@@ -353,17 +375,15 @@ def train_forward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: in
         mlp += tile * max(down, up)
         if tile < tokens:
             mlp += tokens * H * b + tile * H * b
-    if layer.experts:
-        width = layer.expert_intermediate
-        mlp += tokens * layer.top_k * (b * (H + 2 * width + layer.expert_gate_values * width) + EXPERT_PAIR_INDEX_BYTES)
-        mlp += expert_weight_bytes(layer, b)
+    mlp += experts_forward_bytes(layer, b, H, tokens)
+    if attention_kind(s, config) == "eager":  # the probabilities the attention returned
+        mlp += EAGER_SAVED_SCORES * scores(layer, micro_batch, T) * b
     kv = 0 if layer.kv_shared else layer.k + layer.v
     lora = lora_a_input_bytes(config) * layer.o_in if config.use_peft else 0
     attention = tokens * (b * (2 * H + layer.q + layer.o_in + kv) + lora)
     if attention_kind(s, config) == "eager":
         attention += EAGER_FORWARD_SCORES * scores(layer, micro_batch, T) * b
-    own = layer_mask_bytes(s, layer, config, micro_batch, T, b)
-    return max(mlp, attention) + own + other_masks_bytes(s, layer, config, micro_batch, T, b)
+    return max(mlp, attention + layer_mask_bytes(s, layer, config, micro_batch, T, b))
 
 
 def attention_forward_per_token(s: Shapes, layer: LayerShape, config: TrainConfig, b: int) -> int:
@@ -410,11 +430,7 @@ def mlp_forward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: int,
         mlp += tile * max(up, down)
         if tile < tokens:
             mlp += tokens * H * b + tile * H * b
-    if layer.experts:
-        width = layer.expert_intermediate
-        mlp += tokens * layer.top_k * (b * (H + 2 * width + layer.expert_gate_values * width) + EXPERT_PAIR_INDEX_BYTES)
-        mlp += expert_weight_bytes(layer, b)
-    return mlp
+    return mlp + experts_forward_bytes(layer, b, H, tokens)
 
 
 def layer_forward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: int, micro_batch: int, T: int) -> int:
@@ -423,9 +439,11 @@ def layer_forward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: in
     (mlp_forward_bytes); logprobs_forward_bytes adds what the decoder holds around it."""
     tokens = micro_batch * T
     attention = tokens * attention_forward_per_token(s, layer, config, b)
+    mlp = mlp_forward_bytes(s, layer, config, b, tokens)
     if attention_kind(s, config) == "eager":
         attention += EAGER_FORWARD_SCORES * scores(layer, micro_batch, T) * b
-    return max(attention, mlp_forward_bytes(s, layer, config, b, tokens))
+        mlp += EAGER_SAVED_SCORES * scores(layer, micro_batch, T) * b  # the probabilities the attention returned
+    return max(attention, mlp)
 
 
 def logprobs_forward_bytes(s: Shapes, config: TrainConfig, b: int, micro_batch: int, T: int) -> int:
@@ -443,8 +461,8 @@ def logprobs_forward_bytes(s: Shapes, config: TrainConfig, b: int, micro_batch: 
     tokens = micro_batch * T
     held = tokens * H * b * (2 if s.layers > 1 else 1) + sum(2 * T * d * b for d in s.rotary_dims)
     held += tokens * s.per_layer_inputs * b + tokens * shared_kv_values(s) * b
+    held += held_masks_bytes(s, config, micro_batch, T, b)
     masks = mask_kinds(s, config, micro_batch, T)
-    held += len(masks) * micro_batch * T * T * mask_entry_bytes(s, config, b)
     peak = 0
     for layer in s.kinds:
         peak = max(peak, layer_forward_bytes(s, layer, config, b, micro_batch, T))
@@ -465,14 +483,9 @@ def shared_kv_values(s: Shapes) -> int:
     return sum(sources.values())
 
 
-def engine_forward_per_token(s: Shapes, layer: LayerShape, config: TrainConfig, b: int) -> int:
-    """Per token of the sampling engine's prefill forward (its own attention, untiled): SwiGLU's four [T, I] tensors
-    at the down projection, and with LoRA its input in fp32; experts the pairs' gathered input, gate/up output and
-    gate values (expert_weight_bytes, per forward, is the plan's)."""
+def engine_forward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: int, tokens: int) -> int:
+    """The sampling engine's forward of `tokens` tokens (its own attention: no scores, no masks) at one layer, untiled:
+    SwiGLU's four [T, I] tensors at the down projection, with LoRA its input in fp32; experts their no-grad moment
+    (experts_forward_bytes, with the effective weights LoRA on them forms every forward)."""
     lora = 4 if config.use_peft else 0
-    per_token = (4 * b + lora) * layer.intermediate
-    if layer.experts:
-        width = layer.expert_intermediate
-        pair = b * (s.hidden + 2 * width + layer.expert_gate_values * width) + EXPERT_PAIR_INDEX_BYTES
-        per_token += layer.top_k * pair
-    return per_token
+    return tokens * (4 * b + lora) * layer.intermediate + experts_forward_bytes(layer, b, s.hidden, tokens)

@@ -32,8 +32,8 @@ from fastgrpo.sampling.params import EngineConfig
 from fastgrpo.sizes import GiB
 from fastgrpo.train.config import TrainConfig, train_dtype
 from fastgrpo.train.layer_bytes import (
-    engine_forward_per_token,
-    expert_weight_bytes,
+    engine_forward_bytes,
+    held_masks_bytes,
     layer_backward_bytes,
     layer_mask_bytes,
     layer_saved_per_token,
@@ -256,7 +256,7 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     # group at full length at once, or kv_blocks; auto_fit cuts it to what fits, down to one prompt's pages and one
     # completion's (the engine runs a group's completions one by one if it must); each window's pool at most
     # window_group_pages. Then the larger of a prefill forward (max_num_batched_tokens) and a decode step (a token per
-    # running sequence), with the experts' effective weights where LoRA adapts them
+    # running sequence; a dense layer's MLP there holds less than the hidden states: 2 H b a row)
     G, P = config.num_generations, config.generation_batch_size // config.num_generations
     bs = config.block_size
     needed = P * most_pages(prompt, G, config.max_completion_length, bs)
@@ -265,14 +265,14 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     rows = min(ENGINE.max_num_seqs, config.generation_batch_size)
     kv = kv_pool_bytes(s, blocks, bs, kv_bytes(config, device_type), config.kv_cache_dtype == "fp8")
     prefill_tokens = min(ENGINE.max_num_batched_tokens, P * prompt + rows)
-    per_token = max(engine_forward_per_token(s, layer, config, b) for layer in s.kinds)
-    experts = max(expert_weight_bytes(layer, b) for layer in s.kinds)
+    prefill = max(engine_forward_bytes(s, layer, config, b, prefill_tokens) for layer in s.kinds)
+    decode = rows * 2 * s.hidden * b + max(engine_forward_bytes(s, layer, config, b, rows) for layer in s.kinds)
     capacity = max(min(ENGINE.max_num_seqs, ENGINE.max_num_batched_tokens), G)  # the engine's DecodeBatch rows
     pools = len(kv)
     buffers = (config.generation_batch_size * config.max_completion_length * OUTPUT_BYTES_PER_TOKEN
                + capacity * (PAGE_TABLE_BYTES * pools * blocks_for(T, bs) + DECODE_ROW_BYTES))
     sampling = {**resident, **kv, "output buffers": buffers,
-                "engine forward": max(prefill_tokens * per_token, rows * 2 * s.hidden * b) + experts,
+                "engine forward": max(prefill, decode),
                 "sampler": sampler_bytes(s, rows)}
 
     # no-grad logprobs (eval mode): the larger of two moments, never live together. The backbone at its last layer
@@ -289,9 +289,9 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
 
     # train: the checkpointed layer inputs (offloaded: the last one's, which the next layer's prefetched input
     # replaces in the backward, and with LoRA the first one's, which peft's input gradient keeps alive), Gemma 4's
-    # per-layer inputs and shared K/V, then the largest of the forward's last layer (train_forward_bytes), the fused
-    # loss and the backward of one layer (layer_backward_bytes: the final hidden states are freed by then), over
-    # every kind of layer
+    # per-layer inputs and shared K/V, the attention masks (every checkpointed layer's saved inputs hold them), then
+    # the largest of the forward's last layer (train_forward_bytes), the fused loss and the backward of one layer
+    # (layer_backward_bytes: the final hidden states are freed by then), over every kind of layer
     if not config.gradient_checkpointing:
         kept = 0
     elif config.offload_activations:
@@ -302,6 +302,9 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     beside = tokens * (s.per_layer_inputs + shared_kv_values(s)) * b
     if beside:
         stored["per-layer inputs, shared K/V"] = beside
+    masks = held_masks_bytes(s, config, mb, T, b)
+    if masks:
+        stored["attention masks"] = masks
     if not config.gradient_checkpointing:
         stored["layer activations"] = sum(tokens * layer_saved_per_token(s, layer, config, b, T)
                                           + layer_mask_bytes(s, layer, config, mb, T, b) for layer in s.per_layer)

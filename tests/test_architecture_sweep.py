@@ -19,17 +19,8 @@ from fastgrpo.bench.architectures import (
     tiny_config,
 )
 
-_ROBERTA = ("the model counts positions from padding_idx + 1 (RoBERTa's learned positions), model.generate and the "
-            "engine from 0: the engine follows generate, not the forward (logprobs off by ~1)")  # fmt: skip
-_BART = ("decoder of an encoder-decoder family: the engine leaves the model's forward from the first steps, even for "
-         "one prompt alone and at any block size (greedy differs for blenderbot, marian, pegasus; logprobs off by "
-         "1e-2 to 5), while model.generate agrees with the forward within 1e-5")  # fmt: skip
 # model type -> why the engine's samples differ from the model's own (baseline 2026-11-28, transformers 5.24).
 KNOWN_FAILING = {
-    "roberta": _ROBERTA, "roberta-prelayernorm": _ROBERTA, "camembert": _ROBERTA, "data2vec-text": _ROBERTA,
-    "xlm-roberta": _ROBERTA, "xlm-roberta-xl": _ROBERTA, "xmod": _ROBERTA,
-    "bart": _BART, "mbart": _BART, "blenderbot": _BART, "blenderbot-small": _BART, "marian": _BART,
-    "plbart": _BART, "pegasus": _BART,
     "moshi": "model.generate is not the argmax of Moshi's own full forward; the engine follows the forward",
 }  # fmt: skip
 

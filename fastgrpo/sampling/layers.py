@@ -101,8 +101,12 @@ def probe(hf_model) -> LayerModel:
     for module_name, module in hf_model.named_modules():
         kind = type(module).__name__
         if any(word in kind for word in STATEFUL_MODULES):
-            raise Refused(f"{name} has a {kind} ({module_name}), a layer with recurrent state, which the paged engine "
-                          f"does not keep")
+            where = f" ({module_name})" if module_name else ""
+            raise Refused(f"{name} has a {kind}{where}, a layer with recurrent state, which the paged engine does not "
+                          f"keep")
+    problem = _position_problem(hf_model)
+    if problem is not None:
+        raise Refused(f"{name}'s forward {problem}, so it cannot run the engine's packed batches")
     calls = _record_calls(hf_model)
     if not calls:
         raise Refused(f"{name} makes no call to transformers' attention interface, which the paged engine replaces")
@@ -136,6 +140,29 @@ def probe(hf_model) -> LayerModel:
         if source != slot and layers[source].window != window:
             raise Refused(f"{name}: layer {slot} shares layer {source}'s keys with another sliding window")
     return LayerModel(tuple(layers), slot_of)
+
+
+def _position_problem(hf_model) -> str | None:
+    """Why the model's forward cannot take the engine's packed batches, whose every token carries its own position
+    (0, 1, ... in its sequence); None when it can. Read through the model's own attention, on two tokens:
+      - the second token comes out the same at positions (0, 1) and (0, 5): the forward counts positions itself
+        (BART's and Marian's decoders) or has none at all;
+      - it comes out differently with positions (0, 1) than without position_ids: the forward's own positions start
+        elsewhere (RoBERTa's start past the padding index)."""
+    device = hf_model.get_input_embeddings().weight.device
+    ids = torch.tensor([[3, 4]], device=device)
+
+    def last(positions):
+        position_ids = None if positions is None else torch.tensor([positions], device=device)
+        return hf_model(input_ids=ids, position_ids=position_ids, use_cache=False, logits_to_keep=1).logits
+
+    with _implementation(hf_model, hf_model.config._attn_implementation), torch.no_grad():
+        near, far, own = last([0, 1]), last([0, 5]), last(None)
+    if torch.equal(near, far):
+        return "ignores position_ids (it counts positions itself)"
+    if not torch.allclose(near, own, rtol=1e-4, atol=1e-5):
+        return "numbers positions from other than 0 when given none"
+    return None
 
 
 def _record_calls(hf_model) -> list[tuple]:

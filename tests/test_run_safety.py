@@ -182,6 +182,7 @@ def test_damaged_checkpoint_file_falls_back_to_the_previous_checkpoint(assets, t
         resumed = Trainer(make_config(assets, tmp_path, resume=True, max_steps=3, **SMALL))
     assert resumed.step == 1
     resumed.folder.release()
+    assert "with changed options: --max-steps 2 -> 3" in capsys.readouterr().err  # (issue 41: a resume says so)
 
     damage(run / "checkpoint-1" / name)
     before = snapshot(tmp_path)

@@ -11,9 +11,15 @@
    16K to 110K tokens (the KV cache in bf16 and fp8), and traces of the sampling phase and the training micro-batch
    at each fitted setting.
 
+4. The 2026 families (issue 38, `--families`, alone): gpt-oss-20b, Gemma 3 12B and Gemma 4 E2B from their published
+   configs (fastgrpo/bench/models/), LoRA r 16 with offload, 4-bit where bitsandbytes applies, auto-fit on 24 and 80
+   GiB, and at each fitted setting traces of the sampling phase (the engine's pools: logical and per window) and of
+   the training micro-batch (its no-grad logprobs and its training step).
+
     fastgrpo bench memory-plan                  # 1 and 2; ~6 min on 2 cores
     fastgrpo bench memory-plan --skip-traces    # only the measured CPU runs
     fastgrpo bench memory-plan --long-reasoning # only 3; --no-long-traces for its plans alone
+    fastgrpo bench memory-plan --families       # only 4; --no-long-traces for its plans alone
 
 Writes <out-dir>/memory-plan-<date>.md (and .json). Plans are plans, traces are counts of fake tensors at real
 shapes, measurements are counts of real tensors on a CPU: the table says which is which.
@@ -178,6 +184,108 @@ def long_reasoning_report(rows: list, day: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+# (model, what a user of that card loads, the card's GiB, completion lengths, plan only): issue 38's families. gpt-oss's
+# experts take LoRA (lora_experts, on by default), which takes no dropout; its attention is transformers' eager one
+# (it has no SDPA path), unless a flash kernel with sinks is named (planned only: no CPU trace runs it).
+FAMILY_CELLS = (
+    ("gpt-oss-20b", dict(load_in_4bit=True, lora_dropout=0.0), 24, (1024,), False),
+    ("gpt-oss-20b", dict(load_in_4bit=True, lora_dropout=0.0), 80, (1024, 4096, 8192), False),
+    ("gpt-oss-20b", dict(load_in_4bit=True, lora_dropout=0.0, lora_experts=False), 80, (8192,), False),
+    ("gpt-oss-20b", dict(load_in_4bit=True, lora_dropout=0.0, attn_implementation="kernels-community/vllm-flash-attn3"),
+     80, (32768,), True),
+    ("gemma-3-12b", dict(load_in_4bit=True), 24, (8192, 16384, 32768), False),
+    ("gemma-3-12b", dict(load_in_4bit=True), 80, (32768, 65536), False),
+    ("gemma-4-e2b", dict(), 24, (8192, 32768), False),
+    ("gemma-4-e2b", dict(), 80, (65536,), False),
+)
+FAMILY_TRAIN_PHASES = (("logprobs", "logprobs"), ("train: forward", "forward"), ("train: backward", "backward"),
+                       ("train: optimizer step", "optimizer"))
+
+
+def families(rows: list, record: dict, traces: bool = True) -> None:
+    """Section 4 of the module docstring: each cell's auto_fit plan (or why nothing fits), and the traces of its
+    sampling phase and micro-batch at the settings it picked."""
+    from transformers import AutoConfig
+
+    from fastgrpo.bench.memory_trace import trace_sampling, trace_train_step
+    from fastgrpo.train import TrainConfig
+    from fastgrpo.train.plan import auto_fit, fitted, model_shapes
+
+    for name, options, gpu, lengths, plan_only in FAMILY_CELLS:
+        model_config = AutoConfig.from_pretrained(harness.MODELS / name)
+        shapes = model_shapes(model_config)
+        for length in lengths:
+            config = TrainConfig(model_name_or_path=name, dataset_name="builtin", use_peft=True, lora_r=16,
+                                 offload_activations=True, num_generations=G, max_completion_length=length, bf16=True,
+                                 **options)
+            said = ", ".join(f"{k} {v}" for k, v in options.items())
+            label = f"{name} LoRA r 16 ({said}), {gpu} GiB, L {length}"
+            try:
+                plan = auto_fit(config, gpu * GiB, shapes)
+            except ValueError as error:
+                record[label] = {"does not fit": str(error)}
+                rows.append((label, {}, "does not fit", None, None, str(error).split("; at ")[0]))
+                print(label, "does not fit", flush=True)
+                continue
+            picks = fitted(config, plan)
+            entry = record[label] = {"picks": picks, "plan": {p: plan.peak(p) for p in plan.phases},
+                                     "plan components": plan.phases, "settings": plan.settings}
+            peak_phase = max(plan.phases, key=plan.peak)
+            sampled = trace = None
+            if traces and not plan_only:
+                sampled = entry["sampling trace"] = trace_sampling(
+                    model_config, kv_blocks=plan.settings["kv_blocks"], prompt_length=config.max_prompt_length,
+                    completion_length=length, num_generations=G, num_prompts=config.generation_batch_size // G,
+                    load_in_4bit=config.load_in_4bit, mlp_tile_tokens=plan.settings["mlp_tile_tokens"],
+                    lora_dropout=config.lora_dropout, lora_experts=config.lora_experts)
+                trace = entry["trace"] = trace_train_step(
+                    model_config, micro_batch=plan.settings["per_device_train_batch_size"],
+                    prompt_length=config.max_prompt_length, completion_length=length, use_peft=True, lora_r=16,
+                    load_in_4bit=config.load_in_4bit, offload_activations=True, lora_dropout=config.lora_dropout,
+                    lora_experts=config.lora_experts, mlp_tile_tokens=plan.settings["mlp_tile_tokens"], head="cuda")
+                print(label, f"traced in {sampled['seconds'] + trace['seconds']:.0f} s", flush=True)
+            pools = [(w, pages) for w, pages, layers, _ in plan.settings["page_groups"] if layers]
+            rows.append((label, picks, "sampling", plan.peak("sampling"), sampled and sampled["sampling"],
+                         f"{peak_phase}; KV pages " + ", ".join(f"{'logical' if w is None else f'window {w}'} {n}"
+                                                                for w, n in pools)))
+            for phase, key in FAMILY_TRAIN_PHASES:
+                rows.append((label, picks, phase, plan.peak(phase), trace and trace[key], peak_phase))
+
+
+def families_report(rows: list, day: str) -> str:
+    lines = [f"# The 2026 families on one GPU: plans and traces ({day}, torch {torch.__version__}, transformers "
+             f"{transformers_version()}, CPU only: no GPU)", "",
+             "`fastgrpo bench memory-plan --families`: `fastgrpo plan --model-name-or-path "
+             "fastgrpo/bench/models/<model> --use-peft --offload-activations -G 8 --max-completion-length L "
+             "--gpu-memory <card> --auto-fit` and the options shown (prompts of 512 tokens, 8 completions a step, "
+             "LoRA r 16 as load_policy adds it: on gpt-oss's experts too, which takes lora_dropout 0; "
+             "--recompute-lora-inputs, --mask-free-attention and --recompute-norms on, their defaults). Configs from "
+             "the published config.json (gpt-oss-20b; Gemma 3 12B's text model; Gemma 4 E2B's text model). Plan: "
+             "fastgrpo/train/plan.py, each layer read from the meta build (fastgrpo/train/shapes.py). Trace: live "
+             "tensor storages on fake CPU tensors at real shapes, at the settings auto-fit picked: the sampling phase "
+             "(trace_sampling: the engine's KV cache with its logical pool and one pool per sliding window, its "
+             "prefill and decode steps and the sampler) and one micro-batch's no-grad logprobs and training step "
+             "(the loss in its CUDA form). A 24 GiB card leaves 21.8 GiB for tensors, 80 GiB 75.0 (the plan's "
+             "reserve: 5% + 1 GiB).", "",
+             "| cell | auto-fit picks | phase | plan GiB | trace GiB | error | notes |",
+             "|---|---|---|---|---|---|---|"]
+    for label, picks, phase, planned, counted, note in rows:
+        said = " ".join(f"{k}={v}" for k, v in picks.items())
+        if planned is None:
+            lines.append(f"| {label} | | {phase} | | | | {note} |")
+            continue
+        traced = "" if counted is None else f"{counted / GiB:.2f}"
+        err = "" if counted is None else error(planned, counted)
+        lines.append(f"| {label} | {said} | {phase} | {planned / GiB:.2f} | {traced} | {err} | {note} |")
+    return "\n".join(lines) + "\n"
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def small_model(folder: Path, hidden: int, layers: int) -> str:
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -239,7 +347,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-traces", action="store_true", help="only the measured CPU runs")
     parser.add_argument("--long-reasoning", action="store_true",
                         help="only the long-reasoning cells (issue 33): auto-fit plans and traces at 16K-110K tokens")
-    parser.add_argument("--no-long-traces", action="store_true", help="with --long-reasoning: plans only")
+    parser.add_argument("--families", action="store_true", help="only the 2026 families (issue 38): gpt-oss-20b, "
+                                                                  "Gemma 3 12B, Gemma 4 E2B on 24 and 80 GiB")
+    parser.add_argument("--no-long-traces", action="store_true",
+                        help="with --long-reasoning or --families: plans only")
     parser.add_argument("--out-dir", default="benchmarks/results", help="where the .json and .md results go")
 
 
@@ -247,6 +358,10 @@ def run(args: argparse.Namespace) -> list[tuple]:
     harness.check_out_dir(args.out_dir)
     rows, record = [], {}
     day = datetime.date.today().isoformat()
+    if args.families:
+        families(rows, record, traces=not args.no_long_traces)
+        write(args.out_dir, f"memory-plan-families-{day}", families_report(rows, day), record)
+        return rows
     if args.long_reasoning:
         long_reasoning(rows, record, traces=not args.no_long_traces)
         write(args.out_dir, f"memory-plan-long-{day}", long_reasoning_report(rows, day), record)

@@ -173,7 +173,12 @@ def model_shapes(model_config) -> Shapes:
     text = model_config.get_text_config()
     name = type(model).__name__
     layers = _decoder_layers(model, text)
-    attention = probe(model)  # the engine's own reading of each attention call (its refusals are the plan's)
+    try:
+        attention = probe(model)  # the engine's own reading of each attention call (its refusals are the plan's)
+    except (RuntimeError, NotImplementedError) as error:  # a forward that reads values the meta device has not
+        reason = " ".join(str(error).split())[:200]
+        raise ValueError(f"model_name_or_path: cannot plan {name}: the engine's probe of its attention does not run "
+                         f"on the meta device ({type(error).__name__}: {reason})") from None
     per_layer = [_layer_shape(name, i, layer, text, attention) for i, layer in enumerate(layers)]
     head = model.get_output_embeddings()
     linears = [linear_shape(m) for m in model.modules() if is_linear(m) and m is not head]

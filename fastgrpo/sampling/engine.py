@@ -184,7 +184,7 @@ class Engine:
         text_config = self.hf_model.config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.max_positions = context_window(self.hf_model.config)
-        self.layer_model = probe(self.hf_model)  # what each attention layer needs (layers.py); refuses in one line
+        self.layer_model = probe(self.hf_model, model)  # what each attention layer needs (layers.py), or one line
         first = self.layer_model.layers[0]
         self.num_layers = len(self.layer_model.layers)  # attention layers (their slots in the cache)
         self.num_heads, self.num_kv_heads, self.head_dim = first.query_heads, first.kv_heads, first.key_dim

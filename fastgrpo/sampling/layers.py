@@ -89,8 +89,10 @@ class Refused(ValueError):
     """A model the engine cannot sample exactly; the message is one line."""
 
 
-def probe(hf_model) -> LayerModel:
-    """The model's attention layers as its own forward calls them (see the module's docstring)."""
+def probe(hf_model, model=None) -> LayerModel:
+    """The model's attention layers as its own forward calls them (see the module's docstring). `model`: what to call
+    for a forward, when it wraps `hf_model` (peft, FSDP2's root: its hooks gather sharded parameters)."""
+    model = hf_model if model is None else model
     name = type(hf_model).__name__
     text_config = hf_model.config.get_text_config()
     layer_types = getattr(text_config, "layer_types", None) or []
@@ -104,10 +106,11 @@ def probe(hf_model) -> LayerModel:
             where = f" ({module_name})" if module_name else ""
             raise Refused(f"{name} has a {kind}{where}, a layer with recurrent state, which the paged engine does not "
                           f"keep")
-    problem = _position_problem(hf_model)
+    on_meta = hf_model.get_input_embeddings().weight.device.type == "meta"  # (the memory plan's shapes-only build)
+    problem = None if on_meta else _position_problem(hf_model, model)
     if problem is not None:
         raise Refused(f"{name}'s forward {problem}, so it cannot run the engine's packed batches")
-    calls = _record_calls(hf_model)
+    calls = _record_calls(hf_model, model)
     if not calls:
         raise Refused(f"{name} makes no call to transformers' attention interface, which the paged engine replaces")
     layers, slot_of, seen_keys = [], {}, {}
@@ -142,7 +145,7 @@ def probe(hf_model) -> LayerModel:
     return LayerModel(tuple(layers), slot_of)
 
 
-def _position_problem(hf_model) -> str | None:
+def _position_problem(hf_model, model) -> str | None:
     """Why the model's forward cannot take the engine's packed batches, whose every token carries its own position
     (0, 1, ... in its sequence); None when it can. Read through the model's own attention, on two tokens:
       - the second token comes out the same at positions (0, 1) and (0, 5): the forward counts positions itself
@@ -154,7 +157,7 @@ def _position_problem(hf_model) -> str | None:
 
     def last(positions):
         position_ids = None if positions is None else torch.tensor([positions], device=device)
-        return hf_model(input_ids=ids, position_ids=position_ids, use_cache=False, logits_to_keep=1).logits
+        return model(input_ids=ids, position_ids=position_ids, use_cache=False, logits_to_keep=1).logits
 
     with _implementation(hf_model, hf_model.config._attn_implementation), torch.no_grad():
         near, far, own = last([0, 1]), last([0, 5]), last(None)
@@ -165,7 +168,7 @@ def _position_problem(hf_model) -> str | None:
     return None
 
 
-def _record_calls(hf_model) -> list[tuple]:
+def _record_calls(hf_model, model) -> list[tuple]:
     """(module, query, key, value, kwargs) of every attention call of a forward over two tokens."""
     calls = []
 
@@ -177,8 +180,8 @@ def _record_calls(hf_model) -> list[tuple]:
     AttentionInterface.register(PROBE_NAME, record)
     device = hf_model.get_input_embeddings().weight.device
     with _implementation(hf_model, PROBE_NAME), torch.no_grad():
-        hf_model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
-                 position_ids=torch.arange(2, device=device)[None], use_cache=False, logits_to_keep=1)  # fmt: skip
+        model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
+              position_ids=torch.arange(2, device=device)[None], use_cache=False, logits_to_keep=1)  # fmt: skip
     return calls
 
 

@@ -341,10 +341,12 @@ class Trainer:
         self.reference = None if self.ref_model is None else PolicyLoss(self.ref_model, self.packed, self.head)
         self.train_module = self._parallelize()
         # Under FSDP2 the layers keep FSDP's forward hooks while sampling (no-ops on unsharded weights, but they
-        # touch streams, which a CUDA-graph capture does not allow): decode steps run eager there.
-        self.engine = Engine(self.model, tokenizer=self.tokenizer, block_size=config.block_size,
-                             num_blocks=config.kv_cache_blocks, memory_fraction=config.sampling_memory_fraction,
-                             cuda_graphs=self.parallelism != "fsdp", kv_cache_dtype=config.kv_cache_dtype)
+        # touch streams, which a CUDA-graph capture does not allow): decode steps run eager there. The engine reads
+        # the layers with a forward of its own (sampling/layers.py), on whole weights as it samples.
+        with distributed.unsharded(self.policy):
+            self.engine = Engine(self.model, tokenizer=self.tokenizer, block_size=config.block_size,
+                                 num_blocks=config.kv_cache_blocks, memory_fraction=config.sampling_memory_fraction,
+                                 cuda_graphs=self.parallelism != "fsdp", kv_cache_dtype=config.kv_cache_dtype)
 
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(config, self.parameters)

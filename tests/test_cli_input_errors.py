@@ -7,6 +7,7 @@ its inputs live in tmp_path / "in".
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -228,6 +229,33 @@ def test_engine_refuses_a_pool_larger_than_memory_before_building_it():
     with pytest.raises(ValueError, match=r"num_blocks=1000000000000 pages of \d+ bytes take more than the [\d.]+ GiB "
                                          r"available on cpu; at most \d+"):
         Engine(model, num_blocks=10**12).generate([[3] * 4], params=SamplingParams(max_new_tokens=2, stop_token_ids=()))
+
+
+def test_the_pool_check_reads_the_process_address_space_limit():
+    """A process under RLIMIT_AS (ulimit -v) has less room than MemAvailable says: the KV pool check reads the limit
+    (and a cgroup v2 memory.max), so a pool that fits the machine but not the process is refused in one line."""
+    code = (
+        "import resource, torch\n"
+        "from transformers import Qwen2Config, Qwen2ForCausalLM\n"
+        "from fastgrpo.sampling import Engine, SamplingParams\n"
+        "from fastgrpo.sampling.engine import available_memory\n"
+        "free = available_memory(torch.device('cpu'))\n"
+        "model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=2,"
+        " num_attention_heads=4, num_key_value_heads=4)).eval()\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (2**30 * 6, resource.RLIM_INFINITY))\n"
+        "limited = available_memory(torch.device('cpu'))\n"
+        "assert limited < min(free, 2**30 * 6), (limited, free)\n"
+        "pages = int(1.5 * limited) // (2 * 2 * 16 * 4 * 16 * 4)\n"  # 1.5x the room, in pages of 16 positions
+        "try:\n"
+        "    Engine(model, num_blocks=pages).generate([[3] * 4], params=SamplingParams(max_new_tokens=2,"
+        " stop_token_ids=()))\n"
+        "except ValueError as error:\n"
+        "    print(error)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.fullmatch(r"num_blocks=\d+ pages of \d+ bytes take more than the [\d.]+ GiB available on cpu; at most "
+                        r"\d+\n", out.stdout), out.stdout
 
 
 # -- rewards -------------------------------------------------------------------------------------------------------

@@ -141,13 +141,20 @@ def host_batch(step: Step, block_size: int, width: int, tables=lambda logical: [
 
 
 def available_memory(device: torch.device) -> int | None:
-    """Bytes a new tensor on `device` can take: free device memory on CUDA, MemAvailable in /proc/meminfo on a CPU
-    (None where there is no /proc/meminfo)."""
+    """Bytes a new tensor on `device` can take: free device memory on CUDA; on a CPU the least of MemAvailable in
+    /proc/meminfo, what the process's cgroup still allows (memory.max - memory.current, cgroup v2) and what its
+    address-space limit leaves (RLIMIT_AS less the process's virtual size). None where none of these is known."""
     if device.type == "cuda":
         # Free on the device, plus what torch's caching allocator holds unused (e.g. the last training step's
         # activations): the pool's allocation is served from that first.
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + cached
+    limits = [_meminfo_available(), _cgroup_room(), _address_space_room()]
+    known = [limit for limit in limits if limit is not None]
+    return min(known) if known else None
+
+
+def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
@@ -156,6 +163,39 @@ def available_memory(device: torch.device) -> int | None:
     except OSError:
         pass
     return None
+
+
+def _cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
+    """memory.max - memory.current of this process's cgroup (v2); None without a limit ("max") or a cgroup v2."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next((line.strip().split(":", 2)[2] for line in f if line.startswith("0::")), None)
+        if path is None:
+            return None
+        folder = os.path.join(root, path.lstrip("/"))
+        with open(os.path.join(folder, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open(os.path.join(folder, "memory.current")) as f:
+            return max(0, int(limit) - int(f.read().strip()))
+    except (OSError, ValueError):
+        return None
+
+
+def _address_space_room() -> int | None:
+    """RLIMIT_AS less the process's virtual size (VmSize); None without a limit."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status") as status:
+            size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    except (OSError, StopIteration):
+        return None
+    return max(0, limit - size)
 
 
 def _largest(ok: Callable[[int], bool], most: int) -> int:

@@ -12,7 +12,8 @@ from fastgrpo.train import cli as train_cli
 SUITES = {"loss": "fastgrpo.bench.loss", "sampling": "fastgrpo.bench.sampling", "trl": "fastgrpo.bench.trl_step",
           "step": "fastgrpo.bench.step", "cpu-memory": "fastgrpo.bench.cpu_memory",
           "decode-bytes": "fastgrpo.bench.decode_bytes", "memory-plan": "fastgrpo.bench.memory_plan",
-          "agent": "fastgrpo.bench.agent_rollout", "architectures": "fastgrpo.bench.architectures"}
+          "agent": "fastgrpo.bench.agent_rollout", "architectures": "fastgrpo.bench.architectures",
+          "windows": "fastgrpo.bench.windows"}
 DEFAULT_SUITE = "loss"
 
 

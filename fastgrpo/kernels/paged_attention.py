@@ -49,8 +49,9 @@ def tiles_for(group: int, max_query_len: int, dtype: torch.dtype, head_dim: int 
     Decode (one query token per sequence) takes the smallest tile that holds a GQA group: 16 x 64 with 4 warps,
     96/117 registers (sm_90/sm_80) in bf16. Prefill takes 64 query rows per K/V load: 64 x 64 with 4 warps spills
     on sm_80 (255 registers), with 8 warps it needs 140/172. fp32 ("ieee" products) takes 16 x 32 with 8 warps and
-    one stage at every head dim: 64-166 registers (16 x 64 with 4 warps spills with gpt-oss's sinks and at 256+). `dtype` is the queries' (the model's): over fp8 pages, widened to it
-    on load, the bf16 tiles need 148 (decode) and 127 (prefill) registers on sm_90, without spills.
+    one stage at every head dim: 48-198 registers (16 x 64 with 4 warps spills with gpt-oss's sinks and at 256+).
+    `dtype` is the queries' (the model's): over fp8 pages, widened to it on load, the bf16 tiles need 148 (decode)
+    and 127 (prefill) registers on sm_90, without spills.
 
     Wider heads keep the query rows and shorten the K/V tiles: head_dim 256 (Gemma 2/3) decodes 16 x 32 with 4 warps
     (123/156 registers, 42 KB shared) and prefills 64 x 32 with 8 (183/189, 98/70 KB); head_dim 512 (Gemma 4's global

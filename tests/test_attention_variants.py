@@ -153,12 +153,20 @@ def test_window_pages_go_back_to_the_pool():
     assert engine.stats.leaked_blocks == 0
 
 
-def test_window_pool_is_sized_for_the_row_limit():
+def test_window_pool_is_sized_by_the_logical_pool_and_the_seats():
+    """pages.window_pool_pages: a window (ceil(7 / 4) + 2 = 4 pages) for each sequence the logical pool holds at full
+    length (37 + 100 tokens: 35 pages), at most one for each of the 8 seats and one more, plus a step's prefill (64
+    tokens: 16 pages). A pool that small still samples what the model computes: the scheduler preempts when the window
+    pool runs dry, as for the logical one."""
     model = build("gemma3_text")
-    engine = engine_for(model, max_num_seqs=8, max_num_batched_tokens=64)
-    engine.generate(prompts(), n=2, params=SamplingParams(temperature=0, max_new_tokens=100, **NO_STOP))
-    (pages,) = engine.stats.window_blocks
-    assert pages == min(engine.stats.num_blocks, 9 * (2 + 2) + 16)  # pages.window_pool_pages
+    params = SamplingParams(temperature=0, max_new_tokens=100, **NO_STOP)
+    want = engine_for(model).generate(prompts(), n=2, params=params)
+    for num_blocks, pages in ((1000, 9 * 4 + 16), (140, 4 * 4 + 16), (70, 2 * 4 + 16)):
+        engine = engine_for(model, max_num_seqs=8, max_num_batched_tokens=64, num_blocks=num_blocks)
+        got = engine.generate(prompts(), n=2, params=params)
+        assert engine.stats.window_blocks == (pages,) and engine.stats.leaked_blocks == 0
+        assert tokens_of(got) == tokens_of(want)
+        assert engine.stats.peak_pages[1] <= pages
 
 
 def test_first_live_page():

@@ -358,7 +358,7 @@ def test_each_family_is_read_layer_by_layer_and_planned(family):
     block_size x kv_heads x (key dim + value dim) bytes a page for each layer that keeps pages."""
     from family_helpers import GEMMA4_KV_SHARED
 
-    from fastgrpo.train.plan import ENGINE, kv_pool_bytes, window_group_pages
+    from fastgrpo.train.plan import kv_pool_bytes, window_group_pages
 
     options = {"gemma4_text": {**GEMMA4_KV_SHARED, "use_double_wide_mlp": True},  # as E2B: shared layers' MLP x 2
                "gemma3_text": {"layer_types": ["sliding_attention", "full_attention"]}}
@@ -375,23 +375,27 @@ def test_each_family_is_read_layer_by_layer_and_planned(family):
         if not layer.kv_shared:
             pools[layer.window] += bs * layer.kv_heads * (layer.head_dim + layer.v_head_dim) * 2
     want = {"KV pool" if w is None else f"KV pool, window {w}":
-            (N + 1 if w is None else window_group_pages(w, N, bs, ENGINE.max_num_seqs, ENGINE.max_num_batched_tokens)
-             + 1) * page for w, page in pools.items()}
-    assert kv_pool_bytes(shapes, N, bs, 2) == want
+            (N + 1 if w is None else window_group_pages(w, N, bs, *plan.settings["round_sizing"]) + 1) * page
+            for w, page in pools.items()}
+    assert kv_pool_bytes(shapes, N, bs, 2, sizing=plan.settings["round_sizing"]) == want
     assert {k: v for k, v in plan.phases["sampling"].items() if k.startswith("KV pool")} == want
 
 
 def test_window_group_pages():
-    """A window's pool: (max_num_seqs + 1) x (ceil((w - 1) / block_size) + 2) + ceil(max_num_batched_tokens /
-    block_size) pages, never more than the logical pool's."""
+    """A window's pool: a window (ceil((w - 1) / block_size) + 2 pages) for each sequence the logical pool holds at full
+    length (at least 2), plus a step's prefill (ceil(max_num_batched_tokens / block_size) = 256 pages at 4096); at
+    most a window for every seat and one more; never more than the logical pool."""
     from fastgrpo.train.plan import window_group_pages
 
-    assert window_group_pages(1024, 10**6, 16, 256, 8192) == 257 * (64 + 2) + 512  # ceil(1023 / 16) = 64
-    assert window_group_pages(128, 10**6, 16, 256, 8192) == 257 * (8 + 2) + 512
-    assert window_group_pages(129, 10**6, 16, 256, 8192) == 257 * (8 + 2) + 512  # 128 / 16: still 8 pages
-    assert window_group_pages(130, 10**6, 16, 256, 8192) == 257 * (9 + 2) + 512
-    assert window_group_pages(1024, 2000, 16, 256, 8192) == 2000  # at most the logical pool
-    assert window_group_pages(8, 10**6, 16, 4, 64) == 5 * (1 + 2) + 4
+    # 10**6 logical pages, sequences of 2080 pages: 481 of them fit; 256 seats bind first
+    assert window_group_pages(1024, 10**6, 16, 2080, 256) == 257 * (64 + 2) + 256  # ceil(1023 / 16) = 64
+    assert window_group_pages(1024, 20000, 16, 2080, 256) == 10 * (64 + 2) + 256  # 20000 / 2080: 10 sequences
+    assert window_group_pages(128, 20000, 16, 2080, 64) == 10 * (8 + 2) + 256
+    assert window_group_pages(129, 20000, 16, 2080, 64) == 10 * (8 + 2) + 256  # 128 / 16: still 8 pages
+    assert window_group_pages(130, 20000, 16, 2080, 64) == 10 * (9 + 2) + 256
+    assert window_group_pages(1024, 3000, 16, 2080, 64) == 2 * (64 + 2) + 256  # at least two sequences' windows
+    assert window_group_pages(1024, 300, 16, 2080, 64) == 300  # at most the logical pool
+    assert window_group_pages(8, 10**6, 16, 4, 4) == 5 * (1 + 2) + 256  # 4 seats
 
 
 def test_sliding_only_and_shared_kv_pools():
@@ -403,16 +407,18 @@ def test_sliding_only_and_shared_kv_pools():
     from fastgrpo.train.plan import ENGINE, kv_pool_bytes, window_group_pages
 
     mistral = model_shapes(family_config("mistral"))
-    pools = kv_pool_bytes(mistral, 5000, 16, 2)
-    cap = window_group_pages(8, 5000, 16, ENGINE.max_num_seqs, ENGINE.max_num_batched_tokens)
+    sizing = (2, ENGINE.max_num_seqs)  # sequences of 2 pages: 2500 of them fit the logical pool, 256 seats bind
+    pools = kv_pool_bytes(mistral, 5000, 16, 2, sizing=sizing)
+    cap = window_group_pages(8, 5000, 16, *sizing)
     assert cap == 257 * 3 + 256 < 5000
     assert pools["KV pool"] == 0 and pools["KV pool, window 8"] == (cap + 1) * 16 * 2 * (16 + 16) * 2 * 2  # 2 layers
     gemma4 = model_shapes(family_config("gemma4_text", **GEMMA4_KV_SHARED))
-    shared = kv_pool_bytes(gemma4, 100, 16, 2)
+    shared = kv_pool_bytes(gemma4, 100, 16, 2, sizing=sizing)
     own = [layer for layer in gemma4.per_layer if not layer.kv_shared]
     assert len(own) == 2 and shared == {"KV pool": 101 * 16 * 2 * (32 + 32) * 2,  # the global layer's head dim
                                         "KV pool, window 8": 101 * 16 * 2 * (16 + 16) * 2}
-    assert kv_pool_bytes(gemma4, 10, 16, 1)["KV pool, window 8"] == 11 * 16 * 2 * (16 + 16)  # fp8: 1 byte a value
+    fp8 = kv_pool_bytes(gemma4, 10, 16, 1, sizing=sizing)  # 1 byte a value
+    assert fp8["KV pool, window 8"] == 11 * 16 * 2 * (16 + 16)
 
 
 def test_experts_and_their_lora_are_planned():

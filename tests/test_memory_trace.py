@@ -413,7 +413,7 @@ def test_sliding_windows_sample_in_pools_the_plan_counts():
     pytest.importorskip("peft")
     from fastgrpo.bench.memory_trace import trace_sampling
     from fastgrpo.train import TrainConfig
-    from fastgrpo.train.plan import ENGINE, model_shapes, plan_memory, window_group_pages
+    from fastgrpo.train.plan import model_shapes, plan_memory, window_group_pages
 
     model_config = published_config("gemma-3-12b", 6)
     config = TrainConfig(model_name_or_path="gemma-3-12b", dataset_name="builtin", use_peft=True, load_in_4bit=True,
@@ -423,7 +423,7 @@ def test_sliding_windows_sample_in_pools_the_plan_counts():
     plan = plan_memory(config, shapes=model_shapes(model_config), kv_blocks=N)
     trace = trace_sampling(model_config, kv_blocks=N, prompt_length=512, completion_length=16384, num_generations=8,
                            num_prompts=1, load_in_4bit=True)
-    cap = window_group_pages(1024, N, 16, ENGINE.max_num_seqs, ENGINE.max_num_batched_tokens)
+    cap = window_group_pages(1024, N, 16, -(-(512 + 16384) // 16), 8)  # sequences of 1056 pages, 8 of them
     assert trace["kv_pools"] == [N, cap] and cap < N
     pools = {k: v for k, v in plan.phases["sampling"].items() if k.startswith("KV pool")}
     assert pools == {"KV pool": (N + 1) * 16 * 8 * 512 * 2, "KV pool, window 1024": (cap + 1) * 5 * 16 * 8 * 512 * 2}

@@ -688,8 +688,9 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
             before = live.current
             kv_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else engine.dtype
             windows = engine.layer_model.windows  # the engine's pools: the logical one, then one per window
-            pools = [kv_blocks, *(window_group_pages(w, kv_blocks, block_size, engine_config.max_num_seqs,
-                                                     engine_config.max_num_batched_tokens) for w in windows)]
+            sequence_pages = -(-(prompt_length + completion_length) // block_size)
+            seats = min(engine_config.max_num_seqs, num_prompts * num_generations)  # as the engine sizes them
+            pools = [kv_blocks, *(window_group_pages(w, kv_blocks, block_size, sequence_pages, seats) for w in windows)]
             kv_cache = KVCache(engine.layer_model, pools, block_size, kv_dtype, engine.device)
             if kv_cache_dtype == "fp8":  # (Engine computes them from the weights: kv_scales)
                 engine._kv_scales = torch.ones(engine.num_layers, 2, engine.num_kv_heads)

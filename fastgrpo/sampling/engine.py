@@ -434,18 +434,19 @@ class Engine:
         """Pages for this call: (logical pages, {window: pages of its pool}). The logical pool is as configured, or a
         fraction of free memory capped at what the call can use (every group at full length at once); at least one
         prompt's pages and one completion's: the scheduler runs the completions of a group one by one when that is
-        all there is. A window's pool holds min(logical pages, pages.window_pool_pages): a window's worth for every
-        place under the row limit (sliding layers never hold more)."""
+        all there is. A window's pool holds pages.window_pool_pages: a window for each sequence the logical pool holds
+        at full length, at most one for every seat."""
         block_size = self.config.block_size
         sizes = [(len(p), n, params.max_new_tokens, block_size) for p in prompts]
         least = max(least_pages(*size) for size in sizes)
         itemsize = torch.empty((), dtype=self.kv_dtype).element_size()  # (1 byte a value with fp8 pages)
         page_bytes = self._page_bytes(itemsize)  # [pools]
-        caps = {w: window_pool_pages(w, block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens)
-                for w in self.layer_model.windows}  # fmt: skip
+        sequence_pages = blocks_for(max(map(len, prompts)) + params.max_new_tokens, block_size)
+        seats = min(self.config.max_num_seqs, len(prompts) * n)
 
         def pools(num_blocks: int) -> dict[int, int]:
-            return {w: min(num_blocks, cap) for w, cap in caps.items()}
+            return {w: window_pool_pages(w, block_size, num_blocks, sequence_pages, seats,
+                                         self.config.max_num_batched_tokens) for w in self.layer_model.windows}
 
         def nbytes(num_blocks: int) -> int:  # with each pool's scratch page
             sizes_ = [num_blocks, *pools(num_blocks).values()]

@@ -31,12 +31,22 @@ def first_live_page(num_cached: int, window: int, block_size: int) -> int:
     return max(0, num_cached - window + 1) // block_size
 
 
-def window_pool_pages(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """Pages of a window pool that lets every place under the row limit (and one more, a forked prompt) hold a
-    whole window, plus a step's new tokens: ceil((window - 1) / block_size) + 2 pages a sequence (a window that
-    straddles pages, and the page its next token starts), and one step's worth of prefill."""
+def window_pool_pages(window: int, block_size: int, logical_pages: int, sequence_pages: int, seats: int,
+                      max_num_batched_tokens: int) -> int:
+    """Pages of a window's pool, beside a logical pool of `logical_pages`, for a call whose longest sequence takes
+    `sequence_pages` logical pages and that runs at most `seats` sequences at once. A sequence holds at most
+    ceil((window - 1) / block_size) + 2 window pages (a window that straddles pages, and the page its next token
+    starts); a step's prefill adds ceil(max_num_batched_tokens / block_size). The pool holds a window for as many
+    sequences as the logical pool holds at full length (at least two: a prompt being prefilled and a completion),
+    never more than a window for every seat (and one more, a prompt being forked), never more than the logical pool
+    (a logical page has at most one page in each window pool). Sequences shorter than the window hold as many pages
+    in both pools; while many are, the window pool can be the one that runs dry, and the scheduler then preempts as it
+    does for the logical pool."""
     per_seq = blocks_for(window - 1, block_size) + 2
-    return (max_num_seqs + 1) * per_seq + blocks_for(max_num_batched_tokens, block_size)
+    prefill = blocks_for(max_num_batched_tokens, block_size)
+    full_length = max(2, -(-logical_pages // max(sequence_pages, 1))) * per_seq + prefill
+    every_seat = (seats + 1) * per_seq + prefill
+    return min(logical_pages, every_seat, full_length)
 
 
 class WindowPages:

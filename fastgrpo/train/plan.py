@@ -131,27 +131,32 @@ def loss_chunk(s: Shapes, config: TrainConfig, device_type: str, chunk_tokens: i
 # -- the sampling engine's KV pages ----------------------------------------------------------------------------------
 
 
-def window_group_pages(window: int, logical_pages: int, block_size: int, max_num_seqs: int,
-                       max_num_batched_tokens: int) -> int:
+def window_group_pages(window: int, logical_pages: int, block_size: int, sequence_pages: int, seats: int) -> int:
     """Pages of the pool of the sliding-window layers of one window (a window group; pages outside each sequence's
-    window go back to it). Every place under the row limit, and one more (a prompt being forked), holds a whole
-    window: ceil((window - 1) / block_size) + 2 pages (a window that straddles pages, and the page its next token
-    starts); plus one step's prefill, ceil(max_num_batched_tokens / block_size) pages. Never more than the logical
-    pool's `logical_pages`: a logical page has at most one page in each window pool. The scratch page past each pool
-    is not counted here (kv_pool_bytes adds it)."""
-    per_sequence = blocks_for(window - 1, block_size) + 2
-    return min(logical_pages, (max_num_seqs + 1) * per_sequence + blocks_for(max_num_batched_tokens, block_size))
+    window go back to it): the engine's own rule, pages.window_pool_pages, for a round whose longest sequence takes
+    `sequence_pages` pages and that runs at most `seats` sequences at once. The scratch page past each pool is not
+    counted here (kv_pool_bytes adds it)."""
+    from fastgrpo.sampling.pages import window_pool_pages
+
+    return window_pool_pages(window, block_size, logical_pages, sequence_pages, seats, ENGINE.max_num_batched_tokens)
 
 
-def page_groups(s: Shapes, logical_pages: int, block_size: int) -> list[tuple[int | None, int, list[LayerShape]]]:
+def round_sizing(config: TrainConfig, longest_prompt: int) -> tuple[int, int]:
+    """(sequence_pages, seats) of a sampling round, as the engine sizes its window pools from them: the pages of the
+    longest sequence (prompt and completion), and the most sequences running at once."""
+    return (blocks_for(longest_prompt + config.max_completion_length, config.block_size),
+            min(ENGINE.max_num_seqs, config.generation_batch_size))
+
+
+def page_groups(s: Shapes, logical_pages: int, block_size: int,
+                sizing: tuple[int, int]) -> list[tuple[int | None, int, list[LayerShape]]]:
     """The engine's page pools: (window, pages, the layers keeping their K/V there), the logical pool (window None:
     the full-attention layers; none, and no bytes, in a model of sliding layers only) first, then one pool per
-    window, smallest first. KV-shared layers keep no pages."""
+    window, smallest first. KV-shared layers keep no pages. `sizing`: round_sizing's."""
     own = [layer for layer in s.per_layer if not layer.kv_shared]
     groups = [(None, logical_pages, [layer for layer in own if layer.window is None])]
     for window in s.windows:
-        pages = window_group_pages(window, logical_pages, block_size, ENGINE.max_num_seqs,
-                                   ENGINE.max_num_batched_tokens)
+        pages = window_group_pages(window, logical_pages, block_size, *sizing)
         groups.append((window, pages, [layer for layer in own if layer.window == window]))
     return groups
 
@@ -162,13 +167,13 @@ def page_bytes(layers: list[LayerShape], block_size: int, value_bytes: int) -> i
     return sum(block_size * layer.page_values() * value_bytes for layer in layers)
 
 
-def kv_pool_bytes(s: Shapes, logical_pages: int, block_size: int, value_bytes: int,
-                  fp8: bool = False) -> dict[str, int]:
+def kv_pool_bytes(s: Shapes, logical_pages: int, block_size: int, value_bytes: int, fp8: bool = False, *,
+                  sizing: tuple[int, int]) -> dict[str, int]:
     """Bytes of the sampling engine's KV cache by pool, each pool with its scratch page
     (fastgrpo/sampling/kv_cache.py): KV_POOL for the logical pool, "KV pool, window w" for each window's; with fp8
     each page-keeping layer's fp32 scales per K/V head ([2, kv_heads]) in KV_POOL."""
     out = {}
-    for window, pages, layers in page_groups(s, logical_pages, block_size):
+    for window, pages, layers in page_groups(s, logical_pages, block_size, sizing):
         out[KV_POOL if window is None else f"KV pool, window {window}"] = (pages + 1) * page_bytes(layers, block_size,
                                                                                                    value_bytes)
     if fp8:
@@ -263,7 +268,8 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     least = least_pages(prompt, G, config.max_completion_length, bs)
     blocks = needed if kv_blocks is None else kv_blocks  # the engine allocates kv_cache_blocks pages as given
     rows = min(ENGINE.max_num_seqs, config.generation_batch_size)
-    kv = kv_pool_bytes(s, blocks, bs, kv_bytes(config, device_type), config.kv_cache_dtype == "fp8")
+    sizing = round_sizing(config, prompt)
+    kv = kv_pool_bytes(s, blocks, bs, kv_bytes(config, device_type), config.kv_cache_dtype == "fp8", sizing=sizing)
     prefill_tokens = min(ENGINE.max_num_batched_tokens, P * prompt + rows)
     prefill = max(engine_forward_bytes(s, layer, config, b, prefill_tokens) for layer in s.kinds)
     decode = rows * 2 * s.hidden * b + max(engine_forward_bytes(s, layer, config, b, rows) for layer in s.kinds)
@@ -331,7 +337,8 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
                          "loss_chunk_tokens": chunk, "chunk_override": chunk_tokens,
                          "samples_per_step": config.per_device_train_batch_size * config.gradient_accumulation_steps,
                          "page_groups": [(w, pages, len(layers), page_bytes(layers, bs, kv_bytes(config, device_type)))
-                                         for w, pages, layers in page_groups(s, blocks, bs)]})
+                                         for w, pages, layers in page_groups(s, blocks, bs, sizing)],
+                         "round_sizing": sizing})
 
 
 def check_kv_cache_blocks(config: TrainConfig, shapes: Shapes, device: torch.device, prompt_lengths: list[int],
@@ -350,13 +357,15 @@ def check_kv_cache_blocks(config: TrainConfig, shapes: Shapes, device: torch.dev
                  + [least_pages(t, 1, m, bs) for t in set(eval_prompt_lengths)])  # evaluation: one completion each
     if blocks < needed:
         raise least_pool_error(config, blocks, needed)
-    total = sum(kv_pool_bytes(shapes, blocks, bs, kv_bytes(config, device.type)).values())
+    sizing = round_sizing(config, max([*prompt_lengths, *eval_prompt_lengths]))
+    total = sum(kv_pool_bytes(shapes, blocks, bs, kv_bytes(config, device.type), sizing=sizing).values())
     available = available_memory(device)
     if available is not None and total > available:
         where = f"free on {device}" if device.type == "cuda" else "MemAvailable in /proc/meminfo"
-        fit = _most_pages(lambda n: sum(kv_pool_bytes(shapes, n, bs, kv_bytes(config, device.type)).values())
-                          <= available, blocks)
-        page = sum(page_bytes(layers, bs, kv_bytes(config, device.type)) for _, _, layers in page_groups(shapes, 1, bs))
+        fit = _most_pages(lambda n: sum(kv_pool_bytes(shapes, n, bs, kv_bytes(config, device.type),
+                                                      sizing=sizing).values()) <= available, blocks)
+        page = sum(page_bytes(layers, bs, kv_bytes(config, device.type))
+                   for _, _, layers in page_groups(shapes, 1, bs, sizing))
         raise ValueError(f"kv_cache_blocks {blocks} is too many: the KV pool would take {total / GiB:.1f} GiB ({page} "
                          f"bytes a page), and {available / GiB:.1f} GiB is available ({where}); at most {fit} pages "
                          "fit there, before "
@@ -400,8 +409,8 @@ def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: s
     3. the default loss chunk, else 4096, 1024, 256 tokens;
     4. the KV pool of a whole round (every completion at full length at once); if sampling is over budget, as many
        pages as fit (the engine runs the round in waves, preempting by recompute), down to the least pool, a prompt's
-       pages and one completion's (completions one after another). A window's pool shrinks with the logical pool
-       only once the logical pool is smaller than it (window_group_pages).
+       pages and one completion's (completions one after another). A window's pool follows the logical pool
+       (window_group_pages).
     A model with no MLP to tile (experts, GPT-2's) keeps its MLP whole: only the micro-batch, chunk and pool vary.
 
     ValueError, naming what would fit, when even micro-batch 1 with the smallest tile and chunk does not."""
@@ -440,14 +449,15 @@ def auto_fit(config: TrainConfig, gpu_bytes: int, shapes: Shapes, device_type: s
 
 
 def _pages_that_fit(plan: Plan, config: TrainConfig, shapes: Shapes, device_type: str, limit: int) -> int:
-    """The most logical pages (at most the plan's) whose pools (kv_pool_bytes: windows' pools shrink with the logical
-    pool only below their own size) keep the sampling phase within `limit` bytes."""
+    """The most logical pages (at most the plan's) whose pools (kv_pool_bytes: windows' pools follow the logical
+    pool's size, window_group_pages) keep the sampling phase within `limit` bytes."""
     s = shapes.lora(config) if config.use_peft else shapes
     value_bytes, fp8 = kv_bytes(config, device_type), config.kv_cache_dtype == "fp8"
-    pools = kv_pool_bytes(s, plan.settings["kv_blocks"], config.block_size, value_bytes, fp8)
+    sizing = plan.settings["round_sizing"]
+    pools = kv_pool_bytes(s, plan.settings["kv_blocks"], config.block_size, value_bytes, fp8, sizing=sizing)
     rest = plan.peak("sampling") - sum(pools.values())
-    return _most_pages(lambda n: rest + sum(kv_pool_bytes(s, n, config.block_size, value_bytes, fp8).values())
-                       <= limit, plan.settings["kv_blocks"])
+    return _most_pages(lambda n: rest + sum(kv_pool_bytes(s, n, config.block_size, value_bytes, fp8,
+                                                          sizing=sizing).values()) <= limit, plan.settings["kv_blocks"])
 
 
 def plan_run(config: TrainConfig, shapes: Shapes, device_type: str, gpu_bytes: int | None,

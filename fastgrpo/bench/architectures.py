@@ -99,6 +99,8 @@ OVERRIDES: dict[str, tuple[dict, str]] = {
     "deepseek_v2": ({"num_experts_per_tok": 2}, "the default leaves num_experts_per_tok None: the model cannot route"),
     "dots1": ({"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1},
               "the default leaves the expert counts None, which the model cannot build"),
+    "lfm2": ({"full_attn_idxs": [1, 3], "layer_types": None},
+             "the default config is attention only; LFM2's released models mix short convolutions and attention"),
     "lfm2_moe": ({"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
                  "the default layer_types is None: the model cannot build (LFM2-8B-A1B mixes conv and attention)"),
     "cohere_compass_text": ({"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {

@@ -18,8 +18,9 @@ workspaces (cuBLAS, flash-attention splits), or host memory. What the fake trace
 * Data-dependent host reads cannot run on fake tensors; they are answered as a full micro-batch would answer them
   (`_AssumeValid`): every element of a mask is nonzero (`nonzero` returns numel rows: every completion token is
   scored, the worst case), `all()` is True and `any()` False (fastgrpo's input checks pass, the loss's unshifted
-  sums are in range). Transformers cannot read a fake padding mask, so without mask_free_attention it builds the
-  [b, 1, L, L] boolean mask and SDPA converts it to an additive one per call, as it does on a GPU for a padded
+  sums are in range), `torch.equal` False and `torch.allclose` True (the engine's probe of positions passes).
+  Transformers cannot read a fake padding mask, so without mask_free_attention it builds the [b, 1, L, L] boolean
+  mask and SDPA converts it to an additive one per call, as it does on a GPU for a padded
   micro-batch (an unpadded one would skip the mask and take the flash kernel with GQA, without the repeated K/V
   copies that a masked call makes); with it (the default, as in training) the right-padding check's `all()` is True
   and SDPA runs with is_causal and no mask, as it does for the trainer's right-padded micro-batches.
@@ -199,6 +200,10 @@ class _AssumeValid(TorchDispatchMode):
                 raise
         if func.namespace == "bitsandbytes" and func.__name__ == "gemm_4bit":
             return self._gemm_4bit(func, *args, **kwargs)
+        if func is aten.equal.default:  # the engine's probe: the model's output depends on positions
+            return False
+        if func is aten.allclose.default:  # and is the same with positions 0, 1, ... as without position_ids
+            return True
         out = func(*args, **kwargs)
         if func.overloadpacket in (aten.all, aten.any) and isinstance(out, torch.Tensor) and out.dim() == 0:
             self._known[out] = func.overloadpacket is aten.all
@@ -591,8 +596,9 @@ def trace_decode_step(model_config, *, dtype: torch.dtype = torch.bfloat16, num_
     S, pages = num_sequences, blocks_for(context_length, block_size)
     result = {}
     with fake:
-        engine = Engine(model, block_size=block_size,
-                        attention=_output_only_attention(triton=False) if attention == "triton" else "torch")
+        with _AssumeValid():  # (the engine's probe runs the model)
+            engine = Engine(model, block_size=block_size,
+                            attention=_output_only_attention(triton=False) if attention == "triton" else "torch")
         live = LiveBytes(_weights(model))
         result["weights"] = live.base
         itemsize = torch.empty((), dtype=engine.dtype).element_size()
@@ -683,7 +689,8 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
         result["weights"] = live.base
         result["optimizer_states"] = live.add(*states)
         live.base = live.current
-        engine = Engine(model, block_size=block_size, attention=_output_only_attention(triton=False))
+        with _AssumeValid():  # (the engine's probe runs the model)
+            engine = Engine(model, block_size=block_size, attention=_output_only_attention(triton=False))
         with live, _AssumeValid(), engine._sampling_mode():
             before = live.current
             kv_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else engine.dtype

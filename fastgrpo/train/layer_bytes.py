@@ -238,11 +238,13 @@ def expert_saved_per_token(layer: LayerShape, b: int, H: int) -> int:
 def per_layer_input_saved_per_token(layer: LayerShape, config: TrainConfig, b: int, H: int) -> int:
     """Gemma 4's per-layer input (hidden_size_per_layer_input P): its gate's input (the residual stream, H b, kept
     by its adapter), the gate's output, GELU's, their product with the per-layer input (3 P b: GELU's input, the
-    product's operands, the projection's input), and the projection's output (H b, its norm's input)."""
+    product's operands, the projection's input), the projection's output (H b, its norm's input), and one [T, H]
+    more that its backward holds beside the layer's (found in traces of Gemma 4 E2B: -2.2% at 2 x 33K tokens
+    without it)."""
     if not layer.per_layer_input:
         return 0
     lora = 4 * config.lora_r * len(layer.other_linears) if config.use_peft else 0
-    return b * (2 * H + 3 * layer.per_layer_input) + lora
+    return b * (3 * H + 3 * layer.per_layer_input) + lora
 
 
 def experts_forward_bytes(layer: LayerShape, b: int, H: int, tokens: int) -> int:
@@ -359,8 +361,8 @@ def train_forward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: in
 
     Attention (o_proj's lora_A): the normed input, the rotated q, SDPA's output, o_proj's base output, v and the
     rotated k (b (2 H + q + o_in + k + v)) and o_proj's fp32 input copies (lora_a_input_bytes per o_in); eager
-    attention its scores and their softmax. The attention's moment holds SDPA's copy of its mask
-    (layer_mask_bytes); the decoder's masks are plan_memory's (held_masks_bytes)."""
+    attention its scores and their softmax. With a mask (a window's), SDPA's own moment (sdpa_moment_bytes: its copy
+    of the mask, freed before o_proj); the decoder's masks are plan_memory's (held_masks_bytes)."""
     H, inter = s.hidden, layer.intermediate
     tokens = micro_batch * T
     tiled = config.mlp_tile_tokens is not None and layer.tileable
@@ -383,7 +385,10 @@ def train_forward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: in
     attention = tokens * (b * (2 * H + layer.q + layer.o_in + kv) + lora)
     if attention_kind(s, config) == "eager":
         attention += EAGER_FORWARD_SCORES * scores(layer, micro_batch, T) * b
-    return max(mlp, attention + layer_mask_bytes(s, layer, config, micro_batch, T, b))
+    # SDPA with a mask (a window's): its additive copy, the repeated K/V, its output and logsumexp; freed (nothing is
+    # saved in a checkpointed forward) before o_proj runs
+    sdpa = sdpa_moment_bytes(s, layer, config, b, micro_batch, T)
+    return max(mlp, attention, sdpa)
 
 
 def attention_forward_per_token(s: Shapes, layer: LayerShape, config: TrainConfig, b: int) -> int:
@@ -460,27 +465,34 @@ def logprobs_forward_bytes(s: Shapes, config: TrainConfig, b: int, micro_batch: 
     H = s.hidden
     tokens = micro_batch * T
     held = tokens * H * b * (2 if s.layers > 1 else 1) + sum(2 * T * d * b for d in s.rotary_dims)
-    held += tokens * s.per_layer_inputs * b + tokens * shared_kv_values(s) * b
+    held += tokens * (s.per_layer_inputs * b + shared_kv_bytes(s, b, training=False))
     held += held_masks_bytes(s, config, micro_batch, T, b)
-    masks = mask_kinds(s, config, micro_batch, T)
-    peak = 0
-    for layer in s.kinds:
-        peak = max(peak, layer_forward_bytes(s, layer, config, b, micro_batch, T))
-        if attention_kind(s, config) == "sdpa" and layer.window in masks:
-            repeated = layer.heads * (layer.head_dim + layer.v_head_dim) if layer.kv_heads < layer.heads else 0
-            kv = 0 if layer.kv_shared else layer.k + layer.v
-            sdpa = tokens * (b * (H + layer.q + kv + repeated + layer.o_in) + 4 * layer.heads) + micro_batch * T * T * b
-            peak = max(peak, sdpa)
+    peak = max(max(layer_forward_bytes(s, layer, config, b, micro_batch, T),
+                   sdpa_moment_bytes(s, layer, config, b, micro_batch, T)) for layer in s.kinds)
     return held + peak
 
 
-def shared_kv_values(s: Shapes) -> int:
-    """Values per token of the K/V that KV-shared layers read (Gemma 4's shared_kv_states: the last layer of each
-    kind that keeps its own, held from its forward to the decoder's end)."""
+def sdpa_moment_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: int, micro_batch: int, T: int) -> int:
+    """A layer's SDPA call with a mask (mask_kinds), besides the decoder's masks: the normed input, the rotated q and
+    k, v, K and V repeated to every query head (with GQA), the mask's additive copy in the compute dtype (m T^2 b),
+    SDPA's output and fp32 logsumexp (4 per head); 0 for a layer without a mask."""
+    if attention_kind(s, config) != "sdpa" or layer.window not in mask_kinds(s, config, micro_batch, T):
+        return 0
+    repeated = layer.heads * (layer.head_dim + layer.v_head_dim) if layer.kv_heads < layer.heads else 0
+    kv = 0 if layer.kv_shared else layer.k + layer.v
+    return (micro_batch * T * (b * (s.hidden + layer.q + kv + repeated + layer.o_in) + 4 * layer.heads)
+            + layer_mask_bytes(s, layer, config, micro_batch, T, b))
+
+
+def shared_kv_bytes(s: Shapes, b: int, training: bool) -> int:
+    """Bytes per token of the K/V that KV-shared layers read (Gemma 4's shared_kv_states: the last layer of each
+    kind that keeps its own, held from its forward to the decoder's end), and in training, with Gemma 4's unweighted
+    v norm, its fp32 input, which their graph keeps."""
     if not any(layer.kv_shared for layer in s.per_layer):
         return 0
-    sources = {layer.window: layer.k + layer.v for layer in s.per_layer if not layer.kv_shared}
-    return sum(sources.values())
+    sources = {layer.window: layer for layer in s.per_layer if not layer.kv_shared}
+    return sum((layer.k + layer.v) * b + (4 * layer.v if layer.v_norm and training else 0)
+               for layer in sources.values())
 
 
 def engine_forward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: int, tokens: int) -> int:

@@ -38,7 +38,7 @@ from fastgrpo.train.layer_bytes import (
     layer_mask_bytes,
     layer_saved_per_token,
     logprobs_forward_bytes,
-    shared_kv_values,
+    shared_kv_bytes,
     train_forward_bytes,
 )
 from fastgrpo.train.shapes import LayerShape, Shapes, model_shapes
@@ -305,7 +305,8 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     else:
         kept = s.layers
     stored = {**resident, "gradients": grads, "checkpointed layer inputs": kept * layer_input}
-    beside = tokens * (s.per_layer_inputs + shared_kv_values(s)) * b
+    # Gemma 4's per-layer inputs twice (the inputs and their norm's kept input: the model-level projection is adapted)
+    beside = tokens * (2 * s.per_layer_inputs * b + shared_kv_bytes(s, b, training=True))
     if beside:
         stored["per-layer inputs, shared K/V"] = beside
     masks = held_masks_bytes(s, config, mb, T, b)

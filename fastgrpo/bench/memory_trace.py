@@ -810,6 +810,7 @@ def count_decode_bytes(model_config, *, fused: bool, dtype: torch.dtype = torch.
     from fastgrpo.sampling.batch import DecodeBatch
     from fastgrpo.sampling.block_pool import blocks_for
     from fastgrpo.sampling.engine import Engine
+    from fastgrpo.sampling.kv_cache import KVCache
     from fastgrpo.sampling.params import SamplingParams
 
     config = _load_config(model_config)
@@ -832,8 +833,8 @@ def count_decode_bytes(model_config, *, fused: bool, dtype: torch.dtype = torch.
             rows = _decode_rows(DecodeBatch(S, pages, block_size, engine.device), S, pages, context_length).inputs()
             u = None if params.greedy else torch.empty(S, dtype=torch.float64)
             with engine._sampling_mode():
-                paged_batch = build_paged_batch(kv_cache, [], [], [], [], engine.backend, 1, rows=rows,
-                                                rows_max_context=context_length)
+                paged_batch = build_paged_batch(KVCache.from_tensor(kv_cache, engine.layer_model), [], [], [], [],
+                                                engine.backend, 1, rows=rows, rows_max_context=context_length)
                 with BytesMoved() as moved:  # the forward and the sampler, not the batch's set-up
                     logits = engine._forward(rows["input_ids"], rows["positions"], paged_batch)
                     engine._sample(logits, params, u, None)

@@ -517,3 +517,15 @@ def test_plan_refuses_fp8_kv_where_the_engine_does(tmp_path, capsys):
     assert said == f"fastgrpo plan: error: {flagged(engine.value)}"
     assert "Olmo2ForCausalLM is not one of" in said
     main(["plan", "--model-name-or-path", str(tmp_path)])  # its bf16 pages are planned
+
+
+def test_a_plan_leaves_the_global_generator_as_it_was(assets, tmp_path):
+    """peft draws a LoRA build's initial values from the global generator even on the meta device: the plan's LoRA
+    shapes must not move it, or a run's seeded adapters would depend on whether (and how often) it was planned
+    (2 processes then started from other adapters than 1, and differed 100x more than summation order explains)."""
+    config = make_config(assets, tmp_path, use_peft=True, lora_r=4, lora_dropout=0.0)
+    shapes = model_shapes(model_config(config))
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    plan_memory(config, shapes=shapes, device_type="cpu", micro_batch=4, prompt_length=8)
+    assert torch.equal(torch.random.get_rng_state(), before)

@@ -315,7 +315,10 @@ def _with_adapters(s: Shapes, config) -> Shapes:
 
     from fastgrpo.train.lora import add_adapters
 
-    wrapped = add_adapters(config, copy.deepcopy(s.model))  # peft wraps in place; the meta build stays as it is
+    # peft wraps in place (the meta build stays as it is) and draws its adapters' initial values from the global
+    # generator even on the meta device: forked, so that a plan leaves the run's seeded LoRA init as it would be
+    with torch.random.fork_rng(devices=[]):
+        wrapped = add_adapters(config, copy.deepcopy(s.model))
     sizes = tuple(p.numel() for name, p in wrapped.named_parameters() if ".lora_" in name)
     layers = _decoder_layers(wrapped.get_base_model(), wrapped.config.get_text_config())
     per_layer = []

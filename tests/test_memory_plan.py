@@ -521,8 +521,8 @@ def test_plan_refuses_fp8_kv_where_the_engine_does(tmp_path, capsys):
 
 def test_a_plan_leaves_the_global_generator_as_it_was(assets, tmp_path):
     """peft draws a LoRA build's initial values from the global generator even on the meta device: the plan's LoRA
-    shapes must not move it, or a run's seeded adapters would depend on whether (and how often) it was planned
-    (2 processes then started from other adapters than 1, and differed 100x more than summation order explains)."""
+    shapes must not move it, or a run's seeded adapters would depend on whether (and how often) it was planned (it
+    moved them, and test_distributed's LoRA case then ended 3.8e-5 apart on 2 processes and 1 instead of 3e-7)."""
     config = make_config(assets, tmp_path, use_peft=True, lora_r=4, lora_dropout=0.0)
     shapes = model_shapes(model_config(config))
     torch.manual_seed(0)

@@ -76,10 +76,10 @@ def engine_for(model, **config):
 
 
 def triton_prompts():
-    """The Triton interpreter runs each kernel program in Python (~50 ms a program): 3, 9 and 37 tokens (within a
-    page, across pages, past the window from the prompt on), one completion each, keep a family under half a minute.
+    """The Triton interpreter runs each kernel program in Python (~50 ms a program): 9 and 37 tokens (across pages,
+    past the window from the prompt on), one completion each, keep a family at about 20 s.
     G children sharing the prompt's pages are the torch tests' (the kernel reads a page table either way)."""
-    return [prompts()[i] for i in (1, 4, 5)]
+    return [prompts()[i] for i in (4, 5)]
 
 
 def assert_matches_the_model(model, engine, n=2, new_tokens=24, chosen=prompts):
@@ -126,7 +126,7 @@ def test_greedy_and_sampled_match_the_model(family):
 @pytest.mark.parametrize("name", TRITON_FAMILIES)
 def test_triton_kernels_match_the_model(name):
     model = build(name)
-    assert_matches_the_model(model, engine_for(model, attention="triton"), n=1, new_tokens=10, chosen=triton_prompts)
+    assert_matches_the_model(model, engine_for(model, attention="triton"), n=1, new_tokens=8, chosen=triton_prompts)
 
 
 def test_preemption_in_a_small_pool_changes_nothing(family):
@@ -269,7 +269,7 @@ def test_fp8_scales_bound_every_key_and_value(name, monkeypatch):
 @pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss"])
 def test_fp8_triton_kernels_sample_the_torch_fp8_tokens(name):
     model = build(name)
-    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=3, **NO_STOP)
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3, **NO_STOP)
     want = engine_for(model, kv_cache_dtype="fp8").generate(triton_prompts(), params=params)
     got = engine_for(model, kv_cache_dtype="fp8", attention="triton").generate(triton_prompts(), params=params)
     assert tokens_of(got) == tokens_of(want)

@@ -529,3 +529,16 @@ def test_a_plan_leaves_the_global_generator_as_it_was(assets, tmp_path):
     before = torch.random.get_rng_state()
     plan_memory(config, shapes=shapes, device_type="cpu", micro_batch=4, prompt_length=8)
     assert torch.equal(torch.random.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("recipe, model, picks", [
+    ("gpt-oss-20b-gsm8k", "gpt-oss-20b", "--per-device-train-batch-size 4 --gradient-accumulation-steps 2"),
+    ("gemma3-12b-gsm8k", "gemma-3-12b", "--per-device-train-batch-size 8 --gradient-accumulation-steps 1"),
+])  # fmt: skip
+def test_the_gpu_recipes_fit_their_cards_as_they_say(recipe, model, picks, capsys):
+    """recipes/gpt-oss-20b-gsm8k.yaml (80 GiB) and recipes/gemma3-12b-gsm8k.yaml (24 GiB), planned from the published
+    configs: they fit, with the micro-batch their comments name."""
+    path = Path(__file__).parents[1] / "recipes" / f"{recipe}.yaml"
+    assert main(["plan", "--config", str(path), "--model-name-or-path", str(MODELS / model)]) in (0, None)
+    out = capsys.readouterr().out
+    assert "fits in" in out and picks in out, out[-600:]

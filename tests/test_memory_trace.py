@@ -251,9 +251,9 @@ def test_qwen3_8b_at_110k_tokens_traces_under_75_gib():
                          offload_activations=True, num_generations=8, max_completion_length=110000,
                          max_prompt_length=512, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                          bf16=True, mlp_tile_tokens=16384)
-    full = plan_memory(config, shapes=model_shapes(qwen3_8b_config(131072)))  # past the published 40960 positions
+    model_config = qwen3_8b_config(131072)  # past the published 40960 positions
+    full = plan_memory(config, shapes=model_shapes(model_config))
     assert max(full.peak(p) for p in full.phases if p.startswith("train")) < 75 * 2**30
-    model_config = qwen3_8b_config(131072)
     model_config.num_hidden_layers = 4
     plan = plan_memory(config, shapes=model_shapes(model_config))
     trace = trace_train_step(model_config, micro_batch=4, prompt_length=512, completion_length=110000,

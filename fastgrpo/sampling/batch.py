@@ -35,7 +35,8 @@ class DecodeBatch:
         self.last = torch.zeros(capacity, dtype=torch.long, device=device)  # the token each row feeds next
         self.seq_ids = torch.zeros(capacity, dtype=torch.long, device=device)  # output-buffer row
         self.generated = torch.zeros(capacity, dtype=torch.long, device=device)  # completion tokens so far
-        self._tensors = (self.context, self.last, self.seq_ids, self.generated)
+        self.state_slots = torch.zeros(capacity, dtype=torch.long, device=device)  # recurrent state slot (state.py)
+        self._tensors = (self.context, self.last, self.seq_ids, self.generated, self.state_slots)
         self.context_h = np.zeros(capacity, dtype=np.int64)  # host mirrors
         self.pages_h = np.zeros(capacity, dtype=np.int64)
         self.generated_h = np.zeros(capacity, dtype=np.int64)
@@ -53,8 +54,10 @@ class DecodeBatch:
         self.block_tables[:, start:end] = tables.to(device, non_blocking=True)
         context = [seq.num_cached for seq in seqs]
         generated = [seq.num_generated for seq in seqs]
-        rows = torch.tensor([context, [seq.seq_id for seq in seqs], generated], dtype=torch.long)
-        self.context[start:end], self.seq_ids[start:end], self.generated[start:end] = rows.to(device, non_blocking=True)
+        rows = torch.tensor([context, [seq.seq_id for seq in seqs], generated, [seq.state_slot for seq in seqs]],
+                            dtype=torch.long)
+        (self.context[start:end], self.seq_ids[start:end], self.generated[start:end],
+         self.state_slots[start:end]) = rows.to(device, non_blocking=True)
         self.last[start:end] = last_tokens
         self.context_h[start:end] = context
         self.pages_h[start:end] = [len(seq.block_table) for seq in seqs]

@@ -22,7 +22,7 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -48,6 +48,7 @@ from fastgrpo.sampling.params import EngineConfig, SamplingParams, check_int
 from fastgrpo.sampling.sampler import SeenTokens, logit_floor, penalized, sample
 from fastgrpo.sampling.scheduler import Scheduler, Step
 from fastgrpo.sampling.sequence import Group, Sequence
+from fastgrpo.sampling.state import RecurrentState, StateStep, state_step, wrapped
 from fastgrpo.sampling.turns import TurnEnd, end_turns, wants_turns
 
 # group_done(group index, its n completions) -> how many more groups may start, or None to stop the call
@@ -82,6 +83,8 @@ class GenerateStats:
 
     num_blocks: int = 0  # logical pages (the full-attention layers')
     window_blocks: tuple[int, ...] = ()  # pages of each sliding window's pool
+    state_slots: int = 0  # recurrent state slots (hybrid models: state.py), of state_bytes each
+    state_bytes: int = 0  # one sequence's recurrent state, all layers
     peak_pages: tuple[int, ...] = ()  # the most pages held at once: logical, then each window's
     num_steps: int = 0
     num_forward_tokens: int = 0  # tokens fed through the model, all steps
@@ -116,6 +119,8 @@ class HostBatch:
     block_tables: list[list[list[int]]]  # [pools, S, width], padded with page 0
     last_tokens: list[int]  # [rows that sample]: packed index of each sampling sequence's last new token
     sample_counts: list[int]  # [rows that sample]: tokens each samples (n for a first fork)
+    state_slots: list[int] = field(default_factory=list)  # [S]: recurrent state slot per sequence (-1: none)
+    fresh: list[bool] = field(default_factory=list)  # [S]: nothing cached yet (it starts with no recurrent state)
 
 
 def host_batch(step: Step, block_size: int, width: int, tables=lambda logical: [logical]) -> HostBatch:
@@ -137,7 +142,8 @@ def host_batch(step: Step, block_size: int, width: int, tables=lambda logical: [
             last_tokens.append(num_tokens - 1)
             counts.append(samples)
     context_lens = [seq.num_cached + chunk for seq, chunk in zip(step.seqs, step.chunks, strict=True)]
-    return HostBatch(input_ids, positions, slots, list(step.chunks), context_lens, padded, last_tokens, counts)
+    return HostBatch(input_ids, positions, slots, list(step.chunks), context_lens, padded, last_tokens, counts,
+                     [seq.state_slot for seq in step.seqs], [seq.num_cached == 0 for seq in step.seqs])
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -225,6 +231,8 @@ class Engine:
         self.vocab_size = text_config.vocab_size
         self.max_positions = context_window(self.hf_model.config)
         self.layer_model = probe(self.hf_model, model)  # what each attention layer needs (layers.py), or one line
+        modules = dict(self.hf_model.named_modules())
+        self.state_modules = [modules[layer.name] for layer in self.layer_model.states]  # recurrent layers (state.py)
         first = self.layer_model.layers[0]
         self.num_layers = len(self.layer_model.layers)  # attention layers (their slots in the cache)
         self.num_heads, self.num_kv_heads, self.head_dim = first.query_heads, first.kv_heads, first.key_dim
@@ -325,22 +333,22 @@ class Engine:
         start = time.perf_counter()
         groups = [Group(prompt=Sequence(list(prompt), len(prompt)), n=n, index=i)
                   for i, prompt in enumerate(prompt_token_ids)]  # fmt: skip
-        num_blocks, window_blocks = self._num_blocks(prompt_token_ids, n, params)
-        pool = PagePool(num_blocks, self.config.block_size, window_blocks)
+        max_rows, max_groups, state_slots = self._state_seats(len(prompt_token_ids), n)
+        num_blocks, window_blocks = self._num_blocks(prompt_token_ids, n, params, state_slots)
+        pool = PagePool(num_blocks, self.config.block_size, window_blocks, state_slots)
         max_blocks_per_seq = blocks_for(max(map(len, prompt_token_ids)) + params.max_new_tokens, pool.block_size)
-        max_rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         batch = DecodeBatch(max(max_rows, n), max_blocks_per_seq, pool.block_size, self.device, pool.tables)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
         streams = None if group_ids is None else (torch.tensor(group_ids)[:, None] * n + torch.arange(n)).view(-1)
         columns = None if first_columns is None else torch.tensor(first_columns).repeat_interleave(n)
         outputs = Outputs(len(groups) * n, params.max_new_tokens, self.device, None if params.greedy else seed,
                           streams, columns)
-        scheduler = Scheduler(groups, pool, batch, outputs, self.config.max_num_seqs,
-                              self.config.max_num_batched_tokens, multi_turn=turn_end is not None,
-                              admit=admit)  # fmt: skip
+        scheduler = Scheduler(groups, pool, batch, outputs, max_rows, self.config.max_num_batched_tokens,
+                              multi_turn=turn_end is not None, admit=admit, max_groups=max_groups)  # fmt: skip
         finish = self._finish_check(params, outputs)
         seen = SeenTokens(prompt_token_ids, n, outputs.tokens) if params.repetition_penalty != 1 else None
-        self.stats = GenerateStats(num_blocks=num_blocks, window_blocks=tuple(window_blocks.values()))
+        self.stats = GenerateStats(num_blocks=num_blocks, window_blocks=tuple(window_blocks.values()),
+                                   state_slots=state_slots, state_bytes=self.layer_model.state_bytes)
         if self.decoder is not None:  # the model may have changed since: LoRA wrapped in place, hooks, `.to()`
             reason = unsupported(self.hf_model)
             if reason is None:
@@ -354,6 +362,7 @@ class Engine:
             # One page past each pool: scratch for the padding rows of CUDA graphs and out-of-window table entries.
             kv_cache = KVCache(self.layer_model, [num_blocks, *window_blocks.values()], pool.block_size,
                                self.kv_dtype, self.device)  # fmt: skip
+            state = RecurrentState(self.layer_model.states, state_slots, self.device) if state_slots else None
             graphs = self._decode_graphs(kv_cache, max_blocks_per_seq)
             while True:
                 if group_done is not None and scheduler.done_groups:  # (before `done`: it may grant more starts)
@@ -371,15 +380,17 @@ class Engine:
                 assert step.num_rows or step.seqs, "scheduler made no progress"
                 for pairs in scheduler.take_copies():
                     kv_cache.copy(pairs)
+                if state is not None:
+                    state.copy(scheduler.take_state_copies())
                 targets = scheduler.sample_targets(step)
                 u = None if outputs.uniforms is None else outputs.uniforms[targets.seq_ids, targets.columns]
                 rows_seen = None if seen is None else seen(*targets)
-                tokens, logprobs = self._run(step, batch, kv_cache, params, u, graphs, rows_seen)
+                tokens, logprobs = self._run(step, batch, kv_cache, params, u, graphs, rows_seen, state)
                 scheduler.update(step, tokens, logprobs, targets, finish)
                 self._count_pages(pool)
                 self.stats.num_steps += 1
                 self.stats.num_forward_tokens += step.num_tokens
-            del kv_cache, graphs
+            del kv_cache, graphs, state
             self._kv_scales = None
         self.stats.num_preemptions = scheduler.num_preemptions
         self.stats.leaked_blocks = pool.num_leaked
@@ -430,13 +441,42 @@ class Engine:
                     f"reach past the model's context window of {self.max_positions} positions"
                 )
 
-    def _num_blocks(self, prompts: list[list[int]], n: int, params: SamplingParams) -> tuple[int, dict[int, int]]:
+    def _state_seats(self, num_prompts: int, n: int) -> tuple[int, int | None, int]:
+        """(row limit, running-group limit, recurrent state slots) for a call. A model without recurrent layers:
+        (min(max_num_seqs, max_num_batched_tokens), None, 0). A hybrid one holds a state slot per row (children that
+        hold pages, prompts being prefilled) and one per running group's prompt (its children start from it): as many
+        groups run as fill the rows, and one more that prefills; the rows are cut to what half the memory budget's
+        states allow (Qwen3.5-9B keeps ~50 MiB a sequence)."""
+        max_rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        per_seq = self.layer_model.state_bytes
+        if not per_seq:
+            return max_rows, None, 0
+
+        def groups(rows: int) -> int:
+            return min(num_prompts, -(-rows // n) + 1)
+
+        rows = min(max_rows, num_prompts * n)
+        available = available_memory(self.device)
+        if available is not None:
+            limit = available * self.config.memory_fraction / 2
+            fit = _largest(lambda r: (r + groups(r) + 1) * per_seq <= limit, most=rows)
+            if fit < 1:
+                raise ValueError(f"the recurrent state of one sequence ({per_seq / 2**20:.1f} MiB, "
+                                 f"{len(self.layer_model.states)} layers) does not fit half of the sampling memory "
+                                 f"({limit / 2**30:.2f} GiB); raise memory_fraction or free memory")
+            rows = fit
+        return rows, groups(rows), rows + groups(rows)
+
+    def _num_blocks(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                    state_slots: int = 0) -> tuple[int, dict[int, int]]:
         """Pages for this call: (logical pages, {window: pages of its pool}). The logical pool is as configured, or a
         fraction of free memory capped at what the call can use (every group at full length at once); at least one
         prompt's pages and one completion's: the scheduler runs the completions of a group one by one when that is
         all there is. A window's pool holds pages.window_pool_pages: a window for each sequence the logical pool holds
-        at full length, at most one for every seat."""
+        at full length, at most one for every seat. The recurrent state's `state_slots` (and a scratch slot) come out
+        of the same memory first."""
         block_size = self.config.block_size
+        state_bytes = (state_slots + 1) * self.layer_model.state_bytes if state_slots else 0
         sizes = [(len(p), n, params.max_new_tokens, block_size) for p in prompts]
         least = max(least_pages(*size) for size in sizes)
         itemsize = torch.empty((), dtype=self.kv_dtype).element_size()  # (1 byte a value with fp8 pages)
@@ -448,9 +488,9 @@ class Engine:
             return {w: window_pool_pages(w, block_size, num_blocks, sequence_pages, seats,
                                          self.config.max_num_batched_tokens) for w in self.layer_model.windows}
 
-        def nbytes(num_blocks: int) -> int:  # with each pool's scratch page
+        def nbytes(num_blocks: int) -> int:  # with each pool's scratch page, and the recurrent state
             sizes_ = [num_blocks, *pools(num_blocks).values()]
-            return sum((size + 1) * b for size, b in zip(sizes_, page_bytes, strict=True))
+            return sum((size + 1) * b for size, b in zip(sizes_, page_bytes, strict=True)) + state_bytes
 
         available = available_memory(self.device)
         most = sum(most_pages(*size) for size in sizes)
@@ -507,7 +547,7 @@ class Engine:
             raise ValueError(f"{type(self.hf_model).__name__} does not support a swappable attention implementation")
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), wrapped(self.state_modules):
                 yield
         finally:
             self.hf_model.set_attn_implementation(attn_implementation)
@@ -517,13 +557,15 @@ class Engine:
     def _decode_graphs(self, kv_cache: torch.Tensor, max_blocks_per_seq: int) -> DecodeGraphs | None:
         if not (self.config.cuda_graphs and self.device.type == "cuda" and self.backend in ("triton", "flash")):
             return None
+        if self.layer_model.states:  # the recurrent layers run each host segment alone: decode steps run eagerly
+            return None
         tiles, _, _ = triton_tiles([1], self._group, self.dtype, self._widest)  # one token per sequence
         return DecodeGraphs(self._forward, kv_cache, self.config.max_num_seqs, max_blocks_per_seq, self.backend,
                             tiles)  # fmt: skip
 
     # -- one forward --
 
-    def _run(self, step: Step, batch: DecodeBatch, kv_cache, params, u, graphs, seen=None):
+    def _run(self, step: Step, batch: DecodeBatch, kv_cache, params, u, graphs, seen=None, state=None):
         """Forward the step and sample with the rows' uniforms `u` [R] (None: greedy) and tokens so far `seen`
         [R, L] (repetition_penalty; else None): (tokens [R], logprobs [R]) on the device, the decode rows' first."""
         rows = batch.inputs() if step.num_rows else None
@@ -534,7 +576,8 @@ class Engine:
             logits = graphs(rows["input_ids"], rows["positions"], rows["slots"], rows["block_tables"],
                             rows["context_lens"])  # fmt: skip
         if logits is None:
-            logits = self._eager_forward(rows, batch.max_context(), host, kv_cache)
+            row_slots = batch.state_slots[: step.num_rows] if rows is not None and state is not None else None
+            logits = self._eager_forward(rows, batch.max_context(), host, kv_cache, state, row_slots)
         if host is not None and any(count > 1 for count in host.sample_counts):  # a first fork samples n tokens
             counts = torch.cat([torch.ones(step.num_rows, dtype=torch.long), torch.tensor(host.sample_counts)])
             logits = logits[torch.repeat_interleave(torch.arange(len(counts)), counts).to(self.device)]
@@ -554,7 +597,10 @@ class Engine:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def _eager_forward(self, rows: dict | None, rows_max_context: int, host: HostBatch | None,
-                       kv_cache: KVCache | torch.Tensor) -> torch.Tensor:  # [rows that sample, V]
+                       kv_cache: KVCache | torch.Tensor, state: RecurrentState | None = None,
+                       row_slots: torch.Tensor | None = None) -> torch.Tensor:  # [rows that sample, V]
+        """The step's logits; with `state`, the recurrent layers run from the rows' state slots `row_slots` [R] and
+        the host sequences' (host.state_slots)."""
         if isinstance(kv_cache, torch.Tensor):  # one [layers, 2, pages + 1, block_size, Hkv, D] tensor (the tracer's)
             kv_cache = KVCache.from_tensor(kv_cache, self.layer_model)
             if host is not None:
@@ -574,15 +620,21 @@ class Engine:
             keep = self._tensor(host.last_tokens, torch.long) + num_rows
             if num_rows:
                 keep = torch.cat([torch.arange(num_rows, device=self.device), keep])
-        return self._forward(input_ids, positions, paged, keep)
+        states = None
+        if state is not None:
+            states = StateStep(state, row_slots, list(host.query_lens) if host else [],
+                               list(host.state_slots) if host else [], list(host.fresh) if host else [])
+        return self._forward(input_ids, positions, paged, keep, states)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, paged, keep: torch.Tensor | int = 0):
-        """[rows kept, V] logits of the packed tokens input_ids/positions [T]; keep: 0 (all) or packed indices."""
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, paged, keep: torch.Tensor | int = 0,
+                 states: StateStep | None = None):
+        """[rows kept, V] logits of the packed tokens input_ids/positions [T]; keep: 0 (all) or packed indices;
+        `states`: where the recurrent layers' states are (hybrid models)."""
         if self._kv_scales is not None and paged.kv_scales is None:  # an fp8 cache (and the batches of CUDA graphs)
             paged = replace(paged, kv_scales=self._kv_scales)
         if self.decoder is not None:
             return self.decoder(input_ids, positions, paged, keep)
-        with paged_batch(paged):
+        with paged_batch(paged), state_step(states):
             return self.model(
                 input_ids=input_ids[None], position_ids=positions[None], use_cache=False, logits_to_keep=keep
             ).logits[0]

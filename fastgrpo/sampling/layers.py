@@ -7,8 +7,10 @@ per-head sink logits), and whether the keys are another layer's (Gemma 3n/4's KV
 an earlier layer computed). Nothing is read from a single config attribute, so a window given as a keyword (Mistral)
 is seen as surely as one kept on the module (Gemma 3).
 
-A model whose layers keep state the engine does not (recurrent layers: Mamba, Gated DeltaNet, short convolutions),
-attend bidirectionally, or pass the attention function something it does not know, is refused in one line.
+Layers that keep recurrent state through transformers' cache (Gated DeltaNet, Mamba-2, short convolutions: state.py)
+are recorded in the same forward, with the shapes and dtypes of the state they keep per sequence. A model with other
+stateful layers (RWKV, xLSTM, ...), that attends bidirectionally, or that passes the attention function something it
+does not know, is refused in one line.
 """
 
 from contextlib import contextmanager
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from transformers import AttentionInterface
+
+from fastgrpo.sampling.state import StateLayer, calls_attention, recording, state_modules, unsupported
 
 PROBE_NAME = "fastgrpo_probe"
 # Keywords the attention function gets that change nothing it computes in the engine (the engine packs the batch
@@ -27,7 +31,9 @@ IGNORED_KWARGS = frozenset({"dropout", "scaling", "position_ids", "cu_seq_lens_q
                             "output_hidden_states", "return_dict"})  # fmt: skip
 # config.layer_types entries of layers that attend over keys and values the engine keeps in pages.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
-# Modules whose presence means a layer that keeps a recurrent state (names as transformers spells its classes).
+# Modules whose presence means a layer that keeps a recurrent state (names as transformers spells its classes); those
+# that keep it through transformers' cache (state.keeps_state), and the layers and parts around them, are the
+# engine's.
 STATEFUL_MODULES = ("Mamba", "GatedDeltaNet", "ShortConv", "LinearAttention", "Recurrent", "Rwkv", "RWKV", "SSM")
 
 
@@ -54,6 +60,12 @@ class AttentionLayer:
 class LayerModel:
     layers: tuple[AttentionLayer, ...]
     slot_of: dict[int, int]  # id(attention module) -> slot
+    states: tuple[StateLayer, ...] = ()  # the layers that keep recurrent state, in module order
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one sequence's recurrent state, all layers."""
+        return sum(layer.nbytes for layer in self.states)
 
     @property
     def windows(self) -> tuple[int, ...]:
@@ -97,13 +109,20 @@ def probe(hf_model, model=None) -> LayerModel:
     name = type(hf_model).__name__
     text_config = hf_model.config.get_text_config()
     layer_types = getattr(text_config, "layer_types", None) or []
+    stateful = state_modules(hf_model)
     other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
-    if other:
+    if other and not stateful:
         raise Refused(f"{name} has {', '.join(other)} layers (config.layer_types), which the paged engine does not "
-                      f"sample: it keeps keys and values of full and sliding-window attention only")
+                      f"sample: it keeps keys and values of full and sliding-window attention, and the state of "
+                      f"layers that keep it in transformers' cache")
+    names = [state_name for state_name, _ in stateful]
     for module_name, module in hf_model.named_modules():
         kind = type(module).__name__
-        if any(word in kind for word in STATEFUL_MODULES):
+        reason = unsupported(module)
+        if reason is not None:
+            raise Refused(f"{name}'s {kind} ({module_name}) {reason}")
+        around = any(_related(module_name, state_name) for state_name in names)
+        if not around and not calls_attention(module) and any(word in kind for word in STATEFUL_MODULES):
             where = f" ({module_name})" if module_name else ""
             raise Refused(f"{name} has a {kind}{where}, a layer with recurrent state, which the paged engine does not "
                           f"keep")
@@ -113,7 +132,7 @@ def probe(hf_model, model=None) -> LayerModel:
     problem = None if shapes_only else _position_problem(hf_model, model)
     if problem is not None:
         raise Refused(f"{name}'s forward {problem}, so it cannot run the engine's packed batches")
-    calls = _record_calls(hf_model, model)
+    calls, states = _record_calls(hf_model, model, stateful)
     if not calls:
         raise Refused(f"{name} makes no call to transformers' attention interface, which the paged engine replaces")
     layers, slot_of, seen_keys = [], {}, {}
@@ -145,7 +164,14 @@ def probe(hf_model, model=None) -> LayerModel:
             raise Refused(f"{name}: {query.shape[1]} query heads do not split over {key.shape[1]} key/value heads")
         if source != slot and layers[source].window != window:
             raise Refused(f"{name}: layer {slot} shares layer {source}'s keys with another sliding window")
-    return LayerModel(tuple(layers), slot_of)
+    return LayerModel(tuple(layers), slot_of, tuple(states))
+
+
+def _related(name: str, state_name: str) -> bool:
+    """Whether module `name` is the state module `state_name`, inside it or around it (its decoder layer)."""
+    if not name:
+        return False
+    return name == state_name or name.startswith(state_name + ".") or state_name.startswith(name + ".")
 
 
 def _position_problem(hf_model, model) -> str | None:
@@ -166,15 +192,24 @@ def _position_problem(hf_model, model) -> str | None:
         near, far, own = last([0, 1]), last([0, 5]), last(None)
     if not all(bool(torch.isfinite(x).all()) for x in (near, far, own)):
         return None  # a model that computes inf or nan tells nothing here (the trainer's own checks name it)
-    if torch.equal(near, far):
+    if torch.equal(near, far) and _has_positions(hf_model):
         return "ignores position_ids (it counts positions itself)"
     if not torch.allclose(near, own, rtol=1e-4, atol=1e-5):
         return "numbers positions from other than 0 when given none"
     return None
 
 
-def _record_calls(hf_model, model) -> list[tuple]:
-    """(module, query, key, value, kwargs) of every attention call of a forward over two tokens."""
+def _has_positions(hf_model) -> bool:
+    """Whether the model has a module that encodes positions (rotary, learned or sinusoidal tables); a model with
+    none (Nemotron-H and Granite-4.0-H's attention: the Mamba layers carry the order) needs no position_ids."""
+    words = ("rotary", "position", "positional")
+    return any(any(word in f"{name} {type(module).__name__}".lower() for word in words)
+               for name, module in hf_model.named_modules())  # fmt: skip
+
+
+def _record_calls(hf_model, model, stateful) -> tuple[list[tuple], list[StateLayer]]:
+    """(module, query, key, value, kwargs) of every attention call of a forward over two tokens, and the state each
+    of the `stateful` modules keeps."""
     calls = []
 
     def record(module, query, key, value, attention_mask, **kwargs):  # query [1, Hq, 2, D], key/value [1, Hkv, 2, D]
@@ -184,10 +219,10 @@ def _record_calls(hf_model, model) -> list[tuple]:
 
     AttentionInterface.register(PROBE_NAME, record)
     device = hf_model.get_input_embeddings().weight.device
-    with _implementation(hf_model, PROBE_NAME), torch.no_grad():
+    with _implementation(hf_model, PROBE_NAME), torch.no_grad(), recording(stateful) as states:
         model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
               position_ids=torch.arange(2, device=device)[None], use_cache=False, logits_to_keep=1)  # fmt: skip
-    return calls
+    return calls, states
 
 
 @contextmanager

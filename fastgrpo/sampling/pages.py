@@ -15,12 +15,16 @@ keeps references on the window pages of its live range only, `seq.window_from[g]
 
 Allocation takes the same count from every pool (a new logical page is in every window at first), so the scheduler's
 page arithmetic is unchanged: `num_free` is the least any pool has free.
+
+A model with recurrent layers (state.py) keeps a state slot per sequence beside its pages: taken with a prompt's
+first pages, copied or taken over by a child that starts, and freed with the pages (`release`).
 """
 
 import numpy as np
 
 from fastgrpo.sampling.block_pool import BlockPool, blocks_for
 from fastgrpo.sampling.sequence import Sequence
+from fastgrpo.sampling.state import StateSlots
 
 NO_PAGE = -1
 
@@ -73,10 +77,28 @@ class PagePool(BlockPool):
     """The logical pool (BlockPool's bookkeeping, the pages of full-attention layers) and one WindowPages per
     sliding window. With no windows it is a BlockPool."""
 
-    def __init__(self, num_blocks: int, block_size: int, windows: dict[int, int] | None = None):
-        """`windows`: {window: pages of its pool}."""
+    def __init__(self, num_blocks: int, block_size: int, windows: dict[int, int] | None = None,
+                 state_slots: int = 0):
+        """`windows`: {window: pages of its pool}; `state_slots`: recurrent state slots (0: the model keeps none)."""
         super().__init__(num_blocks, block_size)
         self.windows = [WindowPages(w, pages, block_size, num_blocks) for w, pages in (windows or {}).items()]
+        self.states = StateSlots(state_slots) if state_slots else None
+
+    def take_state(self, seq: Sequence) -> None:
+        """A prompt that starts takes a state slot (it starts from no state)."""
+        if self.states is not None:
+            seq.state_slot = self.states.allocate()
+
+    def start_state(self, prompt: Sequence, child: Sequence, take_over: bool) -> tuple[int, int] | None:
+        """A child starts from its prompt's state: it takes the prompt's slot over, or a slot of its own; returns the
+        (src, dst) copy to make before the next forward, if any."""
+        if self.states is None:
+            return None
+        if take_over:
+            child.state_slot, prompt.state_slot = prompt.state_slot, -1
+            return None
+        child.state_slot = self.states.allocate()
+        return prompt.state_slot, child.state_slot
 
     @property
     def num_free(self) -> int:
@@ -84,8 +106,10 @@ class PagePool(BlockPool):
 
     @property
     def num_leaked(self) -> int:
-        """Pages still referenced, all pools (0 once every sequence has released its pages)."""
-        return self.num_blocks - len(self.free_ids) + sum(w.pool.num_blocks - w.pool.num_free for w in self.windows)
+        """Pages and state slots still referenced, all pools (0 once every sequence has released its pages)."""
+        slots = 0 if self.states is None else self.states.num_slots - self.states.num_free
+        return (self.num_blocks - len(self.free_ids) + sum(w.pool.num_blocks - w.pool.num_free for w in self.windows)
+                + slots)
 
     def allocate(self, count: int) -> list[int]:
         ids = super().allocate(count)
@@ -112,6 +136,9 @@ class PagePool(BlockPool):
         self.free(seq.block_table)
         seq.block_table = []
         seq.window_from = []
+        if seq.state_slot >= 0:
+            self.states.free(seq.state_slot)
+            seq.state_slot = -1
 
     def trim(self, seq: Sequence, num_cached: int) -> None:
         """`seq` has `num_cached` tokens cached: its references on window pages it will never read again go."""

@@ -105,6 +105,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         multi_turn: bool = False,
         admit: int | None = None,
+        max_groups: int | None = None,
     ):
         self.pool = pool
         self.batch = batch
@@ -119,6 +120,10 @@ class Scheduler:
         self.num_seqs = 0  # places under the row limit: prompts being prefilled, children holding pages
         self.reserved = 0  # the most pages the running groups may hold (_reserve): over the pool, they may run dry
         self.copies: list[list[tuple[int, int]]] = []  # per copy, (src, dst) in each pool, before the next forward
+        self.state_copies: list[tuple[int, int]] = []  # (src, dst) state slots, before the next forward
+        # Groups that may hold pages at once (None: as the pool allows): a model with recurrent state has a slot per
+        # row and one per running group's prompt (pages.PagePool.take_state).
+        self.max_groups = max_groups
         self.multi_turn = multi_turn
         self.parked: list[Sequence] = []  # turns ended, waiting for `resume`, in the order they ended
         self.pool_ran_dry = False  # the last `schedule` preempted (the engine's cue to end parked turns)
@@ -145,7 +150,7 @@ class Scheduler:
             self.batch.remove([seq.row for seq in group.children if seq.row is not None])
             for seq in [group.prompt, *group.children]:
                 self.pool.release(seq)
-        self.running, self.host_groups, self.parked, self.copies = [], [], [], []
+        self.running, self.host_groups, self.parked, self.copies, self.state_copies = [], [], [], [], []
         self.waiting.clear()
         self.num_seqs = self.reserved = 0
 
@@ -229,7 +234,7 @@ class Scheduler:
         soon = None
         while self.waiting and budget and self.num_seqs < self.max_rows:
             group = self.waiting[0]
-            if not self.admissible(group):
+            if not self.admissible(group) or self.max_groups is not None and len(self.running) >= self.max_groups:
                 break
             seq = group.prompt
             chunk = min(seq.num_uncached, budget)
@@ -245,6 +250,7 @@ class Scheduler:
             if soon is not None:
                 soon += starts
             seq.block_table = self.pool.allocate(pages)
+            self.pool.take_state(seq)
             self.waiting.popleft()
             if not group.admitted:
                 group.admitted = True
@@ -327,6 +333,9 @@ class Scheduler:
         own = self.pool.allocate(blocks_for(end, block_size) - len(table))
         if group.n > 1 and len(prompt.block_table) > full:
             self.copies.append(self.pool.copy_pairs(prompt.block_table[full], own[0]))
+        copy = self.pool.start_state(prompt, seq, take_over=group.n == 1)
+        if copy is not None:
+            self.state_copies.append(copy)
         seq.block_table, seq.window_from = table + own, starts
         seq.num_cached = prompt.prompt_len
         seq.num_computed = max(seq.num_computed, prompt.prompt_len)
@@ -519,4 +528,8 @@ class Scheduler:
 
     def take_copies(self) -> list[list[tuple[int, int]]]:
         copies, self.copies = self.copies, []
+        return copies
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        copies, self.state_copies = self.state_copies, []
         return copies

@@ -32,6 +32,7 @@ class Sequence:
     parked: bool = False  # its turn ended: it waits for the caller's tokens
     appended: list[tuple[int, int]] = field(default_factory=list)  # (column, count) of each continuation's tokens
     window_from: list[int] = field(default_factory=list)  # per window pool, its first live page (pages.PagePool)
+    state_slot: int = -1  # its recurrent state's slot while it holds pages (state.py; -1: none)
 
     @property
     def num_tokens(self) -> int:

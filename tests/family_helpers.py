@@ -32,6 +32,26 @@ FAMILIES = {
     "cohere": dict(logit_scale=0.25),  # Command-R's 0.0625 bends the probe's logits too little to tell apart
 }
 MOE = ("gpt_oss", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+# Hybrid models (recurrent state beside the pages), 4 layers each: 3 recurrent and 1 attention as Qwen3.5 and
+# Granite-4.0-H mix them, Nemotron-H's Mamba / attention / Mamba / MoE, LFM2's convolutions between attention.
+# Mamba-2 scans in chunks of 8 (128-256 in the released models) so that prompts cross chunks.
+_GDN = dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+_MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=8)
+HYBRIDS = {
+    "qwen3_5_text": _GDN,
+    "qwen3_5_moe_text": dict(_GDN, **EXPERTS, shared_expert_intermediate_size=32),
+    "qwen3_next": dict(_GDN, **EXPERTS, shared_expert_intermediate_size=32),
+    "nemotron_h": dict(num_hidden_layers=4, layers_block_type=["linear_attention", "full_attention",
+                                                               "linear_attention", "moe"],
+                       mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=8,
+                       n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       moe_shared_expert_intermediate_size=32),
+    "granitemoehybrid": dict(_MAMBA, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                             num_local_experts=4, num_experts_per_tok=2),
+    "lfm2": dict(num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2),
+}
+FAMILIES.update(HYBRIDS)
 # Gemma 4's other layer kinds: its MoE block (26B-A4B), and layers that read an earlier layer's keys and values (E2B,
 # E4B): with 4 layers, the last two share the first two's.
 GEMMA4_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)

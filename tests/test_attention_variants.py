@@ -199,18 +199,6 @@ def test_mla_is_refused_on_the_triton_kernel_in_one_line():
     assert "\n" not in str(e.value)
 
 
-def test_recurrent_layers_are_refused_in_one_line():
-    config = AutoConfig.for_model("qwen3_next", **{**COMMON, "head_dim": 16, "linear_num_value_heads": 2,
-                                                    "linear_num_key_heads": 2, "linear_key_head_dim": 16,
-                                                    "linear_value_head_dim": 16, "num_experts": 4,
-                                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                                    "shared_expert_intermediate_size": 32})  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with pytest.raises(ValueError, match="linear_attention layers") as e:
-        Engine(model)
-    assert "\n" not in str(e.value)
-
-
 @pytest.mark.parametrize("variant", ["window", "softcap", "sinks", "all"])
 def test_triton_kernel_variants_match_the_reference(variant):
     """The paged kernel (interpreter, fp32) against the reference on a mixed batch: decode rows and chunks that start

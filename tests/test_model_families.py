@@ -2,7 +2,8 @@
 load, score their completions with the fused head as their own forward does, and train through the CLI.
 
 Families: Gemma (1), Gemma 2 and 3 (final-logit softcap, sliding windows), Gemma 4, gpt-oss (sinks, windows,
-experts), Mistral (windows), Cohere (logit scale) and the MoE families Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE.
+experts), Mistral (windows), Cohere (logit scale), the MoE families Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, and the
+hybrids (recurrent layers beside attention) Qwen3.5, Qwen3.5-MoE, Qwen3-Next, Nemotron-H, Granite-4.0-H, LFM2.
 """
 
 import math
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_helpers import FAMILIES, GEMMA4_KV_SHARED, GEMMA4_MOE, MOE, WINDOW, save_tiny_model, tiny_model
+from family_helpers import FAMILIES, GEMMA4_KV_SHARED, GEMMA4_MOE, HYBRIDS, MOE, WINDOW, save_tiny_model, tiny_model
 from safetensors.torch import load_file
 
 from fastgrpo.cli import main
@@ -50,7 +51,7 @@ HEADS = {family: {"logit_scale": 1.0, "logit_softcap": None} for family in FAMIL
 HEADS.update({family: {"logit_scale": 1.0, "logit_softcap": 30.0} for family in ("gemma2", "gemma3_text",
                                                                                   "gemma4_text")})
 HEADS["cohere"] = {"logit_scale": 0.25, "logit_softcap": None}
-TIED = ("gemma", "gemma2", "gemma3_text", "gemma4_text", "cohere")  # their configs tie the head to the embeddings
+TIED = ("gemma", "gemma2", "gemma3_text", "gemma4_text", "cohere", "lfm2")  # their configs tie the head to the embeddings
 # The head's weight is scaled so that the logits reach about +-60 (a random tiny model's stay within +-1): a cap of 30
 # bends them by more than 1 nat there, so the check below that the plain head is wrong can fail, and the softmax is
 # not saturated either.
@@ -93,8 +94,9 @@ TRAINED = {
                                            "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")},
     "gemma4_moe": ("gemma4_text", GEMMA4_MOE),
     "gemma4_kv_shared": ("gemma4_text", GEMMA4_KV_SHARED),
+    **{family: (family, {}) for family in HYBRIDS},
 }
-WITH_EXPERTS = (*MOE, "gemma4_moe")
+WITH_EXPERTS = (*MOE, "gemma4_moe", "qwen3_5_moe_text", "qwen3_next", "nemotron_h", "granitemoehybrid")
 # The length reward varies across the random models' completions (the accuracy reward is 0 for all), so advantages,
 # and the updates, are not zero; beta 0.04 runs the reference (a copy, or with LoRA the base, adapters off).
 SWEEP = ["--reward-funcs", "accuracy", "length", "--beta", "0.04", "--gradient-checkpointing"]

@@ -48,7 +48,7 @@ from fastgrpo.sampling.params import EngineConfig, SamplingParams, check_int
 from fastgrpo.sampling.sampler import SeenTokens, logit_floor, penalized, sample
 from fastgrpo.sampling.scheduler import Scheduler, Step
 from fastgrpo.sampling.sequence import Group, Sequence
-from fastgrpo.sampling.state import RecurrentState, StateStep, state_step, wrapped
+from fastgrpo.sampling.state import RecurrentState, StateStep, running_groups, slots_for, state_step, wrapped
 from fastgrpo.sampling.turns import TurnEnd, end_turns, wants_turns
 
 # group_done(group index, its n completions) -> how many more groups may start, or None to stop the call
@@ -452,20 +452,17 @@ class Engine:
         if not per_seq:
             return max_rows, None, 0
 
-        def groups(rows: int) -> int:
-            return min(num_prompts, -(-rows // n) + 1)
-
         rows = min(max_rows, num_prompts * n)
         available = available_memory(self.device)
         if available is not None:
             limit = available * self.config.memory_fraction / 2
-            fit = _largest(lambda r: (r + groups(r) + 1) * per_seq <= limit, most=rows)
+            fit = _largest(lambda r: (slots_for(r, num_prompts, n) + 1) * per_seq <= limit, most=rows)
             if fit < 1:
                 raise ValueError(f"the recurrent state of one sequence ({per_seq / 2**20:.1f} MiB, "
                                  f"{len(self.layer_model.states)} layers) does not fit half of the sampling memory "
                                  f"({limit / 2**30:.2f} GiB); raise memory_fraction or free memory")
             rows = fit
-        return rows, groups(rows), rows + groups(rows)
+        return rows, running_groups(rows, num_prompts, n), slots_for(rows, num_prompts, n)
 
     def _num_blocks(self, prompts: list[list[int]], n: int, params: SamplingParams,
                     state_slots: int = 0) -> tuple[int, dict[int, int]]:

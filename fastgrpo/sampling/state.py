@@ -110,6 +110,18 @@ def state_modules(hf_model) -> list[tuple[str, torch.nn.Module]]:
     return [(name, module) for name, module in hf_model.named_modules() if keeps_state(module)]
 
 
+def running_groups(rows: int, num_prompts: int, n: int) -> int:
+    """Groups that may hold pages at once beside `rows` rows: as many as fill the rows with children, and one more
+    that prefills its prompt."""
+    return min(num_prompts, -(-rows // n) + 1)
+
+
+def slots_for(rows: int, num_prompts: int, n: int) -> int:
+    """State slots of a call: one per row (children that hold pages, prompts being prefilled) and one per running
+    group's prompt (its children start from its state)."""
+    return rows + running_groups(rows, num_prompts, n)
+
+
 class StateSlots:
     """Which state slots are free; the scheduler's bookkeeping (the tensors are a RecurrentState's)."""
 

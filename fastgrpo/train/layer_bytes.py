@@ -153,6 +153,9 @@ def attention_saved_per_token(s: Shapes, layer: LayerShape, config: TrainConfig,
     lora_B), and without recompute_lora_inputs peft's fp32, dropped-out inputs (a copy each), 4 + d bytes per value.
     (The residual is not kept: its add saves nothing.)"""
     H = s.hidden
+    if layer.mixer is not None:  # a recurrent mixer: its input (the normed input) and what it keeps (measured)
+        per_token = b * H + _norms_saved_per_token(s, layer, config, b) + layer.mixer.saved[0]
+        return per_token + _lora_saved_per_token(layer.attention_linears, config)
     kv = 0 if layer.kv_shared else layer.k + layer.v
     grouped = layer.kv_heads < layer.heads and sdpa_masked(s, layer, config, T)
     repeated = layer.heads * (layer.head_dim + layer.v_head_dim) if grouped else 0
@@ -160,10 +163,17 @@ def attention_saved_per_token(s: Shapes, layer: LayerShape, config: TrainConfig,
     per_token = b * (H + layer.q + layer.o_in + kv + repeated) + _norms_saved_per_token(s, layer, config, b) + lse
     if layer.norms >= 4:
         per_token += norm_keeps(config, H, b)
-    if config.use_peft:
-        per_token += 4 * config.lora_r * len(layer.attention_linears)
-        if not config.recompute_lora_inputs:
-            per_token += (4 + lora_dropout_bytes(config)) * sum(i for i, _ in layer.attention_linears)
+    return per_token + _lora_saved_per_token(layer.attention_linears, config)
+
+
+def _lora_saved_per_token(linears: tuple[tuple[int, int], ...], config: TrainConfig) -> int:
+    """With LoRA, per token: the fp32 [r] outputs of each adapted linear's lora_A (kept by lora_B), and without
+    recompute_lora_inputs peft's fp32, dropped-out inputs (a copy each), 4 + d bytes per value."""
+    if not config.use_peft:
+        return 0
+    per_token = 4 * config.lora_r * len(linears)
+    if not config.recompute_lora_inputs:
+        per_token += (4 + lora_dropout_bytes(config)) * sum(i for i, _ in linears)
     return per_token
 
 
@@ -313,7 +323,8 @@ def layer_backward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: i
     eager = attention_kind(s, config) == "eager"
     common = (tokens * (attention_saved_per_token(s, layer, config, b, T) + b * H)
               + layer_mask_bytes(s, layer, config, micro_batch, T, b)
-              + (EAGER_SAVED_SCORES * scores(layer, micro_batch, T) * b if eager else 0))
+              + (EAGER_SAVED_SCORES * scores(layer, micro_batch, T) * b if eager else 0)
+              + (layer.mixer.saved[1] if layer.mixer else 0))
     mlp = common + tokens * (mlp_saved_per_token(s, layer, config, b) + b * H)
     if inter:
         lora = (8 + (DROPOUT_NOISE_BYTES if config.lora_dropout > 0 else 0)) * inter if config.use_peft else 0
@@ -344,6 +355,8 @@ def layer_backward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: i
         attention = common + tokens * o_in * b + H * o_in * b
     if eager:
         attention += EAGER_BACKWARD_SCORES * scores(layer, micro_batch, T) * b
+    if layer.mixer is not None:  # its backward's own moment (measured), beside what it kept and its output's gradient
+        attention = common + layer.mixer.at(layer.mixer.backward, tokens)
     return max(mlp, norm, attention)
 
 
@@ -388,6 +401,8 @@ def train_forward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: in
     # SDPA with a mask (a window's): its additive copy, the repeated K/V, its output and logsumexp; freed (nothing is
     # saved in a checkpointed forward) before o_proj runs
     sdpa = sdpa_moment_bytes(s, layer, config, b, micro_batch, T)
+    if layer.mixer is not None:  # the residual and the normed input, and the mixer's no-grad forward (measured)
+        attention = 2 * tokens * H * b + layer.mixer.at(layer.mixer.forward, tokens)
     return max(mlp, attention, sdpa)
 
 
@@ -444,6 +459,8 @@ def layer_forward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: in
     (mlp_forward_bytes); logprobs_forward_bytes adds what the decoder holds around it."""
     tokens = micro_batch * T
     attention = tokens * attention_forward_per_token(s, layer, config, b)
+    if layer.mixer is not None:  # the layer's input, the normed input and the mixer's no-grad forward (measured)
+        attention = 2 * tokens * s.hidden * b + layer.mixer.at(layer.mixer.forward, tokens)
     mlp = mlp_forward_bytes(s, layer, config, b, tokens)
     if attention_kind(s, config) == "eager":
         attention += EAGER_FORWARD_SCORES * scores(layer, micro_batch, T) * b
@@ -500,4 +517,7 @@ def engine_forward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: i
     SwiGLU's four [T, I] tensors at the down projection, with LoRA its input in fp32; experts their no-grad moment
     (experts_forward_bytes, with the effective weights LoRA on them forms every forward)."""
     lora = 4 if config.use_peft else 0
-    return tokens * (4 * b + lora) * layer.intermediate + experts_forward_bytes(layer, b, s.hidden, tokens)
+    mlp = tokens * (4 * b + lora) * layer.intermediate + experts_forward_bytes(layer, b, s.hidden, tokens)
+    if layer.mixer is None:
+        return mlp
+    return max(mlp, 2 * tokens * s.hidden * b + layer.mixer.at(layer.mixer.forward, tokens))

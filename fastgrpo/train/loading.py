@@ -1,6 +1,7 @@
 """Loading the policy, its reference and tokenizer: from a hub id, a folder, a GGUF file or the built-in model; the
 checks that fastgrpo's fused head computes the model's own logits."""
 
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -194,12 +195,25 @@ def _probe_logits(model: PreTrainedModel, span: float) -> tuple[torch.Tensor, to
 
 def _output_type(backbone: torch.nn.Module) -> type[ModelOutput]:
     """The ModelOutput class the backbone's forward declares it returns (MoE backbones: MoeModelOutputWithPast, whose
-    router_logits their CausalLM's forward reads; Gemma 4's: its own, with shared_kv_states); BaseModelOutputWithPast
-    where the signature declares none."""
+    router_logits their CausalLM's forward reads; Gemma 4's: its own, with shared_kv_states), BaseModelOutputWithPast
+    where the signature declares none; as a subclass whose fields it does not have read None (Nemotron-H's backbone
+    declares BaseModelOutputWithPast and returns MoeModelOutputWithPast, whose router_logits its CausalLM reads)."""
     declared = inspect.signature(type(backbone).forward).return_annotation
-    if isinstance(declared, type) and issubclass(declared, ModelOutput):
-        return declared
-    return BaseModelOutputWithPast
+    if not (isinstance(declared, type) and issubclass(declared, ModelOutput)):
+        declared = BaseModelOutputWithPast
+    if declared not in _LENIENT_OUTPUTS:
+        _LENIENT_OUTPUTS[declared] = dataclasses.dataclass(type(declared.__name__, (declared,), {
+            "__getattr__": _no_such_field, "__module__": __name__}))
+    return _LENIENT_OUTPUTS[declared]
+
+
+_LENIENT_OUTPUTS: dict[type, type] = {}
+
+
+def _no_such_field(self, name: str):
+    if name.startswith("_"):
+        raise AttributeError(name)
+    return None
 
 
 # Liger's layer kernels only: the head and the loss are fastgrpo's.

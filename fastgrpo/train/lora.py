@@ -26,6 +26,10 @@ ALL_LINEAR = ["all-linear"]
 # matches): Qwen2-MoE's shared_expert_gate, Gemma 4's router.proj, a router named gate (Mixtral and OLMoE in
 # transformers 4); SwiGLU's gate_proj is not one.
 ROUTERS = r".*\.(gate|shared_expert_gate|router)(\..+)?"
+# peft (0.21) refuses LoRA on a Mamba mixer's out_proj in these model types (their fused Mamba kernels read the
+# weight directly): all-linear leaves it out there, as it leaves the routers.
+PEFT_MAMBA_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
+PEFT_MAMBA_EXCLUDED = "out_proj"
 
 
 def linear_layers(model: torch.nn.Module) -> tuple[list[str], list[str]]:
@@ -40,6 +44,8 @@ def linear_layers(model: torch.nn.Module) -> tuple[list[str], list[str]]:
             routers.append(name)
         else:
             names.add(name.rpartition(".")[2])
+    if getattr(model.config, "model_type", None) in PEFT_MAMBA_TYPES:
+        names.discard(PEFT_MAMBA_EXCLUDED)
     return sorted(names), routers
 
 

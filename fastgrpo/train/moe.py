@@ -55,10 +55,13 @@ def load_balancing_loss(router_logits: tuple[torch.Tensor, ...], top_k: int,
 
 def expert_parameters(model: PreTrainedModel) -> list[str]:
     """The names, as peft's `target_parameters` takes them (the path below a decoder layer:
-    "mlp.experts.gate_up_proj"), of the model's fused expert weights: its 3-D parameters. Empty for a dense model."""
+    "mlp.experts.gate_up_proj"), of the model's fused expert weights: its 3-D parameters but convolutions' (Qwen3.5's
+    and Mamba-2's causal conv1d, [C, 1, K]). Empty for a dense model."""
+    convolutions = {id(p) for m in model.modules() if isinstance(m, torch.nn.modules.conv._ConvNd)
+                    for p in m.parameters(recurse=False)}  # fmt: skip
     names = []
     for full_name, parameter in model.named_parameters():
-        if parameter.dim() != 3:
+        if parameter.dim() != 3 or id(parameter) in convolutions:
             continue
         _, sep, rest = full_name.partition(".layers.")
         suffix = rest.split(".", 1)[1] if sep and "." in rest else full_name

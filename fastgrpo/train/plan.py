@@ -29,6 +29,7 @@ import torch
 
 from fastgrpo.sampling.block_pool import blocks_for, least_pages, most_pages
 from fastgrpo.sampling.params import EngineConfig
+from fastgrpo.sampling.state import slots_for
 from fastgrpo.sizes import GiB
 from fastgrpo.train.config import TrainConfig, train_dtype
 from fastgrpo.train.layer_bytes import (
@@ -181,6 +182,14 @@ def kv_pool_bytes(s: Shapes, logical_pages: int, block_size: int, value_bytes: i
     return out
 
 
+def recurrent_state_bytes(s: Shapes, rows: int, num_prompts: int, n: int) -> int:
+    """The engine's recurrent state (hybrid models: fastgrpo/sampling/state.py): a slot per row and per running
+    group's prompt, and a scratch slot, each one sequence's state in every recurrent layer. (The engine cuts the rows
+    when these would take more than half its memory; the plan counts them whole.)"""
+    per_seq = sum(layer.mixer.state for layer in s.per_layer if layer.mixer is not None)
+    return (slots_for(rows, num_prompts, n) + 1) * per_seq if per_seq else 0
+
+
 def kv_block_bytes(s: Shapes, block_size: int, b: int) -> int:
     """One page of the logical pool: K and V of block_size tokens in every full-attention layer that keeps its own."""
     return page_bytes([layer for layer in s.per_layer if layer.window is None and not layer.kv_shared], block_size, b)
@@ -280,6 +289,9 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     sampling = {**resident, **kv, "output buffers": buffers,
                 "engine forward": max(prefill, decode),
                 "sampler": sampler_bytes(s, rows)}
+    state = recurrent_state_bytes(s, rows, P, G)
+    if state:
+        sampling["recurrent state"] = state
 
     # no-grad logprobs (eval mode): the larger of two moments, never live together. The backbone at its last layer
     # (logprobs_forward_bytes); then, the backbone returned, the head: the rows completion_hidden gathers (the final

@@ -11,8 +11,15 @@ the 2026 families differ per layer:
     Qwen3-MoE    128 experts, 8 a token; peft adapts the experts' 3-D parameters too (all-linear on a v5 MoE)
     Mistral      one window for every layer, passed from the config; GPT-2 Conv1D projections and LayerNorms
 
-A layer whose attention or MLP is of a kind the plan has no terms for (recurrent and state-space layers, MLA) is
-refused in one line (`ValueError`), naming the layer and its module.
+    Qwen3.5      3 of every 4 layers mix tokens with Gated DeltaNet (a recurrent state per head) instead of attention
+    Nemotron-H   each layer one of: Mamba-2, attention, a dense MLP, experts
+
+A recurrent mixer (Gated DeltaNet, Mamba-2, a short convolution: a module that keeps state in transformers' cache) is
+counted by running it (`mixer_bytes`): its own forward and backward on meta tensors under LiveBytes, at two lengths,
+give bytes per token of each moment. That is transformers' PyTorch path (what a CPU, and a GPU without
+flash-linear-attention or mamba-ssm, runs); those kernels recompute inside and keep less, so the plan is an upper
+bound there. A layer whose attention or MLP is of a kind the plan has no terms for is refused in one line
+(`ValueError`), naming the layer and its module.
 """
 
 from dataclasses import dataclass, field
@@ -22,7 +29,12 @@ from torch import nn
 
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "ffn")
+MIXER_NAMES = ("mixer",)  # Nemotron-H: the one block of a layer, whatever its kind
+# Lengths a recurrent mixer is run at (mixer_bytes): multiples of every chunk size in use (Gated DeltaNet 64,
+# Mamba-2 128 and 256), so that both are whole chunks and the difference is per token.
+MIXER_LENGTHS = (512, 1024)
 GATED = ("gate_proj", "up_proj", "down_proj")  # tiling.MLP_PROJECTIONS: the MLPs --mlp-tile-tokens tiles
+SWIGLU_W = ("w1", "w2", "w3")  # the same SwiGLU named as in the LLaMA paper (LFM2)
 
 
 def _conv1d():
@@ -42,6 +54,23 @@ def linear_shape(module: nn.Module) -> tuple[int, int]:
     if isinstance(module, nn.Linear):
         return module.in_features, module.out_features
     return module.weight.shape[0], module.weight.shape[1]
+
+
+@dataclass(frozen=True, slots=True)
+class MixerBytes:
+    """A recurrent mixer's bytes, each as (per token, fixed) over the tokens of a micro-batch, besides its input: what
+    its forward with grad keeps for the backward (`saved`, its output not included), the most its backward holds
+    besides those and its output's gradient (`backward`), and the most a no-grad forward holds, its output included
+    (`forward`). `state`: one sequence's state in the engine (its conv and recurrent state)."""
+
+    saved: tuple[int, int]
+    backward: tuple[int, int]
+    forward: tuple[int, int]
+    state: int = 0
+
+    @staticmethod
+    def at(term: tuple[int, int], tokens: int) -> int:
+        return term[0] * tokens + term[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +103,9 @@ class LayerShape:
     attention_linears: tuple[tuple[int, int], ...] = ()
     mlp_linears: tuple[tuple[int, int], ...] = ()
     other_linears: tuple[tuple[int, int], ...] = ()  # the rest of the layer's (Gemma 4's per-layer input gate)
+    # A recurrent layer (Qwen3.5's Gated DeltaNet, Mamba-2, LFM2's convolution) mixes tokens with this instead of
+    # attention (heads 0, no pages); its linears are attention_linears
+    mixer: MixerBytes | None = None
 
     @property
     def q(self) -> int:
@@ -179,7 +211,9 @@ def model_shapes(model_config) -> Shapes:
         reason = " ".join(str(error).split())[:200]
         raise ValueError(f"model_name_or_path: cannot plan {name}: the engine's probe of its attention does not run "
                          f"on the meta device ({type(error).__name__}: {reason})") from None
-    per_layer = [_layer_shape(name, i, layer, text, attention) for i, layer in enumerate(layers)]
+    states = {layer.name: layer.nbytes for layer in attention.states}
+    names = {id(module): module_name for module_name, module in model.named_modules()}
+    per_layer = [_layer_shape(name, i, layer, text, attention, states, names) for i, layer in enumerate(layers)]
     head = model.get_output_embeddings()
     linears = [linear_shape(m) for m in model.modules() if is_linear(m) and m is not head]
     expert_params = sum(p.numel() for m in layers for p in m.parameters() if p.dim() == 3)
@@ -214,35 +248,51 @@ def _child(module: nn.Module, names: tuple[str, ...]) -> nn.Module | None:
     return None
 
 
-def _layer_shape(model: str, index: int, layer: nn.Module, text, attention) -> LayerShape:
+def _token_mixer(layer: nn.Module, attention) -> tuple[nn.Module | None, nn.Module | None]:
+    """(attention module, recurrent mixer) of a decoder layer: the module the engine's probe saw call the attention
+    interface, and a module that keeps recurrent state (sampling.state.keeps_state); either or both None."""
+    from fastgrpo.sampling.state import keeps_state
+
+    attn = next((m for m in layer.modules() if id(m) in attention.slot_of), None)
+    mixer = next((m for m in layer.modules() if keeps_state(m)), None)
+    return attn, mixer
+
+
+def _layer_shape(model: str, index: int, layer: nn.Module, text, attention, states: dict[str, int],
+                 names: dict[int, str]) -> LayerShape:
     where = f"model_name_or_path: cannot plan {model}: layer {index} ({type(layer).__name__})"
-    attn = _child(layer, ATTENTION_NAMES)
-    if attn is None:
-        kinds = ", ".join(type(m).__name__ for m in layer.children())
-        raise ValueError(f"{where} has no attention module the plan knows (its modules: {kinds}); recurrent and "
-                         "state-space layers are not planned")
-    slot = attention.slot_of.get(id(attn))
-    if slot is None:
+    attn, recurrent = _token_mixer(layer, attention)
+    if attn is None and recurrent is None and _child(layer, ATTENTION_NAMES) is not None:
+        attn = _child(layer, ATTENTION_NAMES)
         raise ValueError(f"{where}: its attention ({type(attn).__name__}) makes no call to transformers' attention "
                          "interface")
-    call = attention.layers[slot]
-    mlp, experts = _child(layer, MLP_NAMES), _experts(layer)
+    if attn is not None:
+        call = attention.layers[attention.slot_of[id(attn)]]
+        widths = dict(heads=call.query_heads, kv_heads=call.kv_heads, head_dim=call.key_dim, v_head_dim=call.value_dim,
+                      window=call.window, kv_shared=not call.owns_pages, sinks=call.sinks)
+    else:
+        widths = dict(heads=0, kv_heads=0, head_dim=0, v_head_dim=0)
+    mixer = None
+    if recurrent is not None:
+        mixer = mixer_bytes(recurrent, text.hidden_size, states.get(names.get(id(recurrent)), 0))
+    token_mixer = attn if attn is not None else recurrent
+    mlp, experts = _mlp(layer, token_mixer), _experts(layer)
     dense = mlp if experts is None or not _contains(mlp, experts) else _child(mlp, ("shared_expert", "shared_experts"))
     intermediate, gated, tileable = _dense_mlp(where, dense) if dense is not None else (0, True, False)
     expert_count, top_k, expert_intermediate = _expert_widths(where, experts, layer, text) if experts else (0, 0, 0)
-    if not intermediate and not expert_count:
+    if not intermediate and not expert_count and token_mixer is None:
         raise ValueError(f"{where} has no MLP the plan knows (a dense MLP or experts)")
     in_mlp = {id(m) for part in (mlp, experts) if part is not None for m in part.modules()}
-    in_attn = {id(m) for m in attn.modules()}
+    in_attn = {id(m) for m in token_mixer.modules()} if token_mixer is not None else set()
     routers = {id(m) for m in layer.modules()  # a router's linear layer: out 1 (a shared expert's gate) or E
                if is_linear(m) and expert_count and linear_shape(m)[1] in (1, expert_count)}
     linears = [(m, linear_shape(m)) for m in layer.modules() if is_linear(m) and id(m) not in routers]
     norms = [m for m in layer.children() if _is_norm(m) and _width(m) in (None, text.hidden_size)]
     return LayerShape(
-        heads=call.query_heads, kv_heads=call.kv_heads, head_dim=call.key_dim, v_head_dim=call.value_dim,
-        window=call.window, kv_shared=not call.owns_pages, sinks=call.sinks,
-        head_norms=isinstance(getattr(attn, "q_norm", None), nn.Module),
-        v_norm=isinstance(getattr(attn, "v_norm", None), nn.Module) and _width(attn.v_norm) is None,
+        **widths, mixer=mixer,
+        head_norms=attn is not None and isinstance(getattr(attn, "q_norm", None), nn.Module),
+        v_norm=(attn is not None and isinstance(getattr(attn, "v_norm", None), nn.Module)
+                and _width(attn.v_norm) is None),
         intermediate=intermediate, gated=gated, tileable=tileable, experts=expert_count, top_k=top_k,
         expert_intermediate=expert_intermediate,
         expert_gate_values=5 if experts is not None and hasattr(experts, "limit") else 2,
@@ -255,6 +305,58 @@ def _layer_shape(model: str, index: int, layer: nn.Module, text, attention) -> L
         mlp_linears=tuple(s for m, s in linears if id(m) in in_mlp),
         other_linears=tuple(s for m, s in linears if id(m) not in in_attn and id(m) not in in_mlp),
     )  # fmt: skip
+
+
+def _mlp(layer: nn.Module, token_mixer: nn.Module | None) -> nn.Module | None:
+    """A layer's MLP: its child of a known name, or (Nemotron-H) its one block when that does not mix tokens."""
+    mlp = _child(layer, MLP_NAMES)
+    if mlp is None:
+        block = _child(layer, MIXER_NAMES)
+        mlp = block if block is not None and block is not token_mixer else None
+    return mlp
+
+
+def mixer_bytes(module: nn.Module, hidden: int, state: int = 0) -> MixerBytes:
+    """A recurrent mixer's moments (MixerBytes), from its own forward and backward on meta tensors at MIXER_LENGTHS
+    tokens (one sequence each), in training mode, its parameters frozen (their gradients are the plan's weight
+    terms); per token is the difference over the difference in tokens, fixed what is left."""
+    from fastgrpo.memory import LiveBytes
+
+    weight = next(module.parameters())
+    training = module.training
+    frozen = [(p, p.requires_grad) for p in module.parameters()]
+    module.train()
+    measured = []
+    try:
+        for p, _ in frozen:
+            p.requires_grad_(False)
+        for tokens in MIXER_LENGTHS:
+            x = torch.empty(1, tokens, hidden, device="meta", dtype=weight.dtype, requires_grad=True)
+            with LiveBytes([x]) as live:
+                out = module(x)
+                output = out.untyped_storage().nbytes()
+                saved = live.current - live.base - output
+                grad = torch.empty_like(out)
+                start = live.current
+                live.peak = start
+                out.backward(grad)
+                backward = live.peak - start
+                del out, grad
+            with torch.no_grad(), LiveBytes([x]) as live:
+                out = module(x)
+                forward = live.peak - live.base
+                del out
+            measured.append((saved, backward, forward))
+    finally:
+        module.train(training)
+        for p, requires_grad in frozen:
+            p.requires_grad_(requires_grad)
+    (short, long), span = (measured[0], measured[1]), MIXER_LENGTHS[1] - MIXER_LENGTHS[0]
+    terms = []
+    for a, b in zip(short, long, strict=True):
+        per_token = -(-(b - a) // span)
+        terms.append((per_token, max(0, a - per_token * MIXER_LENGTHS[0])))
+    return MixerBytes(*terms, state=state)
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -284,6 +386,8 @@ def _dense_mlp(where: str, mlp: nn.Module) -> tuple[int, bool, bool]:
     named = {name: getattr(mlp, name, None) for name in GATED}
     if all(is_linear(m) for m in named.values()):
         return linear_shape(named["up_proj"])[1], True, True
+    if all(is_linear(getattr(mlp, name, None)) for name in SWIGLU_W):  # LFM2: w1 the gate, w3 up, w2 down
+        return linear_shape(mlp.w3)[1], True, False
     fused = getattr(mlp, "gate_up_proj", None)
     if is_linear(fused):  # Phi-3: gate and up in one projection
         return linear_shape(fused)[1] // 2, True, False
@@ -323,7 +427,10 @@ def _with_adapters(s: Shapes, config) -> Shapes:
     layers = _decoder_layers(wrapped.get_base_model(), wrapped.config.get_text_config())
     per_layer = []
     for shape, layer in zip(s.per_layer, layers, strict=True):
-        attn, mlp = _child(layer, ATTENTION_NAMES), _child(layer, MLP_NAMES)
+        attn = _child(layer, ATTENTION_NAMES)
+        if attn is None or shape.mixer is not None:  # a recurrent mixer (or Nemotron-H's one block)
+            attn = next((m for m in layer.modules() if _has_state(m)), None) or attn
+        mlp = _mlp(layer, attn)
         parts = {"attention_linears": [], "mlp_linears": [], "other_linears": []}
         expert_lora = False
         for module in layer.modules():
@@ -339,6 +446,12 @@ def _with_adapters(s: Shapes, config) -> Shapes:
         per_layer.append(dataclasses.replace(shape, expert_lora=expert_lora,
                                              **{k: tuple(v) for k, v in parts.items()}))
     return dataclasses.replace(s, per_layer=tuple(per_layer), lora_sizes=sizes, model=None, _lora={})
+
+
+def _has_state(module: nn.Module) -> bool:
+    from fastgrpo.sampling.state import keeps_state
+
+    return keeps_state(module)
 
 
 def _is_adapter(module: nn.Module) -> bool:

@@ -459,8 +459,8 @@ def test_gpt2_and_a_model_the_plan_cannot_count_through_the_cli(tmp_path, capsys
         main(["plan", "--model-name-or-path", str(tmp_path / "mamba")])
     assert done.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["fastgrpo plan: error: MambaForCausalLM has linear_attention layers (config.layer_types), which the "
-                   "paged engine does not sample: it keeps keys and values of full and sliding-window attention only"]
+    assert err == ["fastgrpo plan: error: MambaForCausalLM has recurrent layers only: the paged engine samples models "
+                   "with attention layers (a hybrid's recurrent state it keeps beside their pages)"]
 
 
 def test_plan_refuses_a_kv_pool_below_the_least_it_names(capsys):

@@ -122,7 +122,8 @@ def probe(hf_model, model=None) -> LayerModel:
         if reason is not None:
             raise Refused(f"{name}'s {kind} ({module_name}) {reason}")
         around = any(_related(module_name, state_name) for state_name in names)
-        if not around and not calls_attention(module) and any(word in kind for word in STATEFUL_MODULES):
+        stateless = calls_attention(module) or "Norm" in kind  # an attention layer, or a norm named after its family
+        if module_name and not around and not stateless and any(word in kind for word in STATEFUL_MODULES):
             where = f" ({module_name})" if module_name else ""
             raise Refused(f"{name} has a {kind}{where}, a layer with recurrent state, which the paged engine does not "
                           f"keep")
@@ -133,6 +134,9 @@ def probe(hf_model, model=None) -> LayerModel:
     if problem is not None:
         raise Refused(f"{name}'s forward {problem}, so it cannot run the engine's packed batches")
     calls, states = _record_calls(hf_model, model, stateful)
+    if not calls and states:
+        raise Refused(f"{name} has recurrent layers only: the paged engine samples models with attention layers (a "
+                      f"hybrid's recurrent state it keeps beside their pages)")
     if not calls:
         raise Refused(f"{name} makes no call to transformers' attention interface, which the paged engine replaces")
     layers, slot_of, seen_keys = [], {}, {}
@@ -168,10 +172,10 @@ def probe(hf_model, model=None) -> LayerModel:
 
 
 def _related(name: str, state_name: str) -> bool:
-    """Whether module `name` is the state module `state_name`, inside it or around it (its decoder layer)."""
-    if not name:
-        return False
-    return name == state_name or name.startswith(state_name + ".") or state_name.startswith(name + ".")
+    """Whether module `name` is part of the decoder layer of state module `state_name` (the module itself, inside
+    it, beside it: Mamba's norms) or around it (the layer, the backbone)."""
+    layer = state_name.rpartition(".")[0]
+    return name == layer or name.startswith(layer + ".") or state_name.startswith(name + ".")
 
 
 def _position_problem(hf_model, model) -> str | None:

@@ -58,7 +58,8 @@ SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 8  # fp32 logits, exp, fp64 cdf (fastgrpo/samp
 ENGINE = EngineConfig()  # the defaults the trainer's engine runs with
 CUDA_LOSS_BYTES_PER_LOGIT = 4 + 2  # fp32 logits and the bf16 dZ of a chunk (fastgrpo/chunked.py)
 OUTPUT_BYTES_PER_TOKEN = 8 + 4 + 8  # the engine's Outputs per token it may sample: int64 id, fp32 logprob, fp64 uniform
-DECODE_ROW_BYTES = 4 * 8  # DecodeBatch's int64 context, last token, output row and count per row (+ its page tables)
+# DecodeBatch's int64 context, last token, output row, count and state slot per row (+ its page tables)
+DECODE_ROW_BYTES = 5 * 8
 KV_POOL = "KV pool"  # the sampling phase's component of the logical pool (full-attention layers' pages)
 PAGE_TABLE_BYTES = 4  # DecodeBatch's int32 page table entries: [pools, rows, pages]
 

@@ -202,7 +202,7 @@ FAMILY_TRAIN_PHASES = (("logprobs", "logprobs"), ("train: forward", "forward"), 
                        ("train: optimizer step", "optimizer"))
 
 
-def families(rows: list, record: dict, traces: bool = True) -> None:
+def families(rows: list, record: dict, traces: bool = True, cells: tuple = None) -> None:
     """Section 4 of the module docstring: each cell's auto_fit plan (or why nothing fits), and the traces of its
     sampling phase and micro-batch at the settings it picked."""
     from transformers import AutoConfig
@@ -211,7 +211,7 @@ def families(rows: list, record: dict, traces: bool = True) -> None:
     from fastgrpo.train import TrainConfig
     from fastgrpo.train.plan import auto_fit, fitted, model_shapes
 
-    for name, options, gpu, lengths, plan_only in FAMILY_CELLS:
+    for name, options, gpu, lengths, plan_only in cells or FAMILY_CELLS:
         model_config = AutoConfig.from_pretrained(harness.MODELS / name)
         shapes = model_shapes(model_config)
         for length in lengths:
@@ -252,10 +252,11 @@ def families(rows: list, record: dict, traces: bool = True) -> None:
                 rows.append((label, picks, phase, plan.peak(phase), trace and trace[key], peak_phase))
 
 
-def families_report(rows: list, day: str) -> str:
-    lines = [f"# The 2026 families on one GPU: plans and traces ({day}, torch {torch.__version__}, transformers "
+def families_report(rows: list, day: str, flag: str = "--families") -> str:
+    title = "The hybrids" if flag == "--hybrids" else "The 2026 families"
+    lines = [f"# {title} on one GPU: plans and traces ({day}, torch {torch.__version__}, transformers "
              f"{transformers_version()}, CPU only: no GPU)", "",
-             "`fastgrpo bench memory-plan --families`: `fastgrpo plan --model-name-or-path "
+             f"`fastgrpo bench memory-plan {flag}`: `fastgrpo plan --model-name-or-path "
              "fastgrpo/bench/models/<model> --use-peft --offload-activations -G 8 --max-completion-length L "
              "--gpu-memory <card> --auto-fit` and the options shown (prompts of 512 tokens, 8 completions a step, "
              "LoRA r 16 as load_policy adds it: on gpt-oss's experts too, which takes lora_dropout 0; "
@@ -343,14 +344,27 @@ def measured_runs(rows: list, record: dict) -> None:
             print(label, "done", flush=True)
 
 
+# Issue 39's hybrids: Qwen3.5-9B (24 Gated DeltaNet and 8 attention layers) and Qwen3.5-35B-A3B (30 and 10, 256 experts,
+# 8 a token) from transformers' own default configs of those names (fastgrpo/bench/models/), LoRA r 16 with offload,
+# 8K and 32K completions. The recurrent layers run transformers' PyTorch path (no flash-linear-attention on a CPU).
+HYBRID_CELLS = (
+    ("qwen3.5-9b", dict(load_in_4bit=True), 24, (8192, 32768), False),
+    ("qwen3.5-9b", dict(), 80, (8192, 32768), False),
+    ("qwen3.5-35b-a3b", dict(load_in_4bit=True, lora_experts=False), 24, (8192,), True),
+    ("qwen3.5-35b-a3b", dict(load_in_4bit=True, lora_experts=False), 80, (8192, 32768), False),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-traces", action="store_true", help="only the measured CPU runs")
     parser.add_argument("--long-reasoning", action="store_true",
                         help="only the long-reasoning cells (issue 33): auto-fit plans and traces at 16K-110K tokens")
     parser.add_argument("--families", action="store_true", help="only the 2026 families (issue 38): gpt-oss-20b, "
                                                                   "Gemma 3 12B, Gemma 4 E2B on 24 and 80 GiB")
+    parser.add_argument("--hybrids", action="store_true", help="only the hybrids (issue 39): Qwen3.5-9B and "
+                                                                 "Qwen3.5-35B-A3B on 24 and 80 GiB")
     parser.add_argument("--no-long-traces", action="store_true",
-                        help="with --long-reasoning or --families: plans only")
+                        help="with --long-reasoning, --families or --hybrids: plans only")
     parser.add_argument("--out-dir", default="benchmarks/results", help="where the .json and .md results go")
 
 
@@ -358,9 +372,10 @@ def run(args: argparse.Namespace) -> list[tuple]:
     harness.check_out_dir(args.out_dir)
     rows, record = [], {}
     day = datetime.date.today().isoformat()
-    if args.families:
-        families(rows, record, traces=not args.no_long_traces)
-        write(args.out_dir, f"memory-plan-families-{day}", families_report(rows, day), record)
+    if args.families or args.hybrids:
+        cells, name = (HYBRID_CELLS, "hybrids") if args.hybrids else (FAMILY_CELLS, "families")
+        families(rows, record, traces=not args.no_long_traces, cells=cells)
+        write(args.out_dir, f"memory-plan-{name}-{day}", families_report(rows, day, f"--{name}"), record)
         return rows
     if args.long_reasoning:
         long_reasoning(rows, record, traces=not args.no_long_traces)

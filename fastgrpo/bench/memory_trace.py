@@ -57,7 +57,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from fastgrpo.memory import LiveBytes, storage_bytes  # noqa: F401 - the tracer's counter (tests import it here)
+from fastgrpo.memory import LiveBytes, storage_bytes
+from fastgrpo.sampling.state import RecurrentState, slots_for  # noqa: F401 - the tracer's counter (tests import it here)
 from fastgrpo.sizes import GiB
 
 aten = torch.ops.aten
@@ -595,6 +596,12 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
             if kv_cache_dtype == "fp8":  # (Engine computes them from the weights: kv_scales)
                 engine._kv_scales = torch.ones(engine.num_layers, 2, engine.num_kv_heads)
             result["kv_cache"] = live.current - before
+            before = live.current
+            state = None  # a hybrid's recurrent state slots, as Engine.generate sizes them (state.slots_for)
+            if engine.layer_model.states:
+                seats = min(engine_config.max_num_seqs, engine_config.max_num_batched_tokens, P * G)
+                state = RecurrentState(engine.layer_model.states, slots_for(seats, P, G), engine.device)
+            result["recurrent_state"] = live.current - before
             result["kv_pools"] = pools
             before = live.current
             outputs = Outputs(P * G, completion_length, engine.device, None if params.greedy else 0)
@@ -608,21 +615,23 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
                              slots=[list(range(tokens))] * len(pools), query_lens=lengths, context_lens=lengths,
                              block_tables=[[[0] * width for _ in lengths]] * len(pools),
                              last_tokens=[sum(lengths[: i + 1]) - 1 for i in range(len(lengths))],
-                             sample_counts=[G] * len(lengths))
+                             sample_counts=[G] * len(lengths), state_slots=list(range(len(lengths))),
+                             fresh=[True] * len(lengths))
             u = None if params.greedy else torch.empty(G * len(lengths), dtype=torch.float64)
             with live.phase("prefill"):
-                logits = engine._eager_forward(None, 0, host, kv_cache)
+                logits = engine._eager_forward(None, 0, host, kv_cache, state)
                 logits = logits[torch.arange(len(lengths)).repeat_interleave(G)]  # a first fork samples G tokens
                 engine._sample(logits, params, u, None)
                 del logits
             _decode_rows(batch, rows, width, T + completion_length)
             u = None if params.greedy else torch.empty(rows, dtype=torch.float64)
             with live.phase("decode"):
-                logits = engine._eager_forward(batch.inputs(), batch.max_context(), None, kv_cache)
+                row_slots = None if state is None else torch.arange(rows)
+                logits = engine._eager_forward(batch.inputs(), batch.max_context(), None, kv_cache, state, row_slots)
                 engine._sample(logits, params, u, None)
                 del logits
             engine._kv_scales = None
-            del outputs, batch, kv_cache  # live through both steps, as in Engine.generate
+            del outputs, batch, kv_cache, state  # live through both steps, as in Engine.generate
     result.update({name: live.peaks[name] for name in ("prefill", "decode")})
     result["sampling"] = max(result["prefill"], result["decode"])
     result["seconds"] = time.perf_counter() - start

@@ -1,6 +1,6 @@
 """Build the tiny model that `fastgrpo train` starts from when given no model.
 
-    python -m fastgrpo.train.build_default_model [--output-dir DIR] [--steps N] [--seed S]
+    python -m fastgrpo.train.build_default_model [--output-dir DIR] [--steps N] [--seed S] [--architecture A]
 
 The character tokenizer of `arithmetic.build_tokenizer` and a 2-layer Llama (0.53M parameters, 2.1 MB of fp32),
 trained with cross-entropy on the answer tokens of train-split problems and stopped early on purpose. At 340 steps
@@ -11,6 +11,10 @@ right and a wrong answer to learn from.
 Llama rather than Qwen2: transformers 5 loads any qwen2 checkpoint's tokenizer as Qwen2Tokenizer, whatever
 tokenizer_config.json says, and that class swaps in byte-level pre-tokenization that drops unknown characters.
 
+`--architecture qwen3_5` builds a tiny Qwen3.5 instead (hidden 128: 3 Gated DeltaNet layers and 1 gated-attention
+layer, 1.0M parameters), the hybrid the GRPO users of 2026 start from, warmed up the same way; it is not shipped
+(benchmarks/results/train-qwen3-5-tiny-*.md records a run from it).
+
 Same arguments, same torch build: same weights (seeded init, seeded data order, the same 2 CPU threads).
 """
 
@@ -19,7 +23,15 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from fastgrpo.train import arithmetic
 
@@ -33,8 +45,25 @@ NUM_EVAL_PROBLEMS = 200
 MAX_NEW_TOKENS = 5
 
 
-def build_model(tokenizer: PreTrainedTokenizerBase, seed: int) -> LlamaForCausalLM:
-    """A freshly initialised tiny Llama whose generation config stops at <eos> and pads with <pad>."""
+ARCHITECTURES = ("llama", "qwen3_5")
+
+
+def build_model(tokenizer: PreTrainedTokenizerBase, seed: int, architecture: str = "llama") -> PreTrainedModel:
+    """A freshly initialised tiny Llama (or Qwen3.5) whose generation config stops at <eos> and pads with <pad>."""
+    if architecture == "qwen3_5":
+        config = AutoConfig.for_model(
+            "qwen3_5_text", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+            linear_value_head_dim=32, max_position_embeddings=32, tie_word_embeddings=True,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        )  # fmt: skip
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
+                                                   pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                                                   do_sample=False)  # fmt: skip
+        return model
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=128,
@@ -97,10 +126,10 @@ def greedy_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     return sum(rewards) / len(rows)
 
 
-def build(output_dir: Path, steps: int, seed: int) -> float:
+def build(output_dir: Path, steps: int, seed: int, architecture: str = "llama") -> float:
     """Build, warm up and save the model and tokenizer to `output_dir`; return its held-out greedy accuracy."""
     tokenizer = arithmetic.build_tokenizer()
-    model = build_model(tokenizer, seed)
+    model = build_model(tokenizer, seed, architecture)
     warm_up(model, tokenizer, steps, seed)
     accuracy = greedy_accuracy(model, tokenizer, arithmetic.problems("test", NUM_EVAL_PROBLEMS))
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -114,12 +143,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR)
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--architecture", choices=ARCHITECTURES, default="llama")
     args = parser.parse_args(argv)
     # 2 threads everywhere: the shipped weights were built with 2, and the thread count can change the order of
     # floating-point sums. The model is too small to gain from more (6 s for 300 steps).
     torch.set_num_threads(2)
     start = time.perf_counter()
-    accuracy = build(args.output_dir, args.steps, args.seed)
+    accuracy = build(args.output_dir, args.steps, args.seed, args.architecture)
     print(f"saved to {args.output_dir} in {time.perf_counter() - start:.0f} s; "
           f"held-out greedy accuracy {accuracy:.1%} on {NUM_EVAL_PROBLEMS} test problems")  # fmt: skip
 

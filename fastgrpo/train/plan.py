@@ -283,6 +283,8 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     prefill_tokens = min(ENGINE.max_num_batched_tokens, P * prompt + rows)
     prefill = max(engine_forward_bytes(s, layer, config, b, prefill_tokens) for layer in s.kinds)
     decode = rows * 2 * s.hidden * b + max(engine_forward_bytes(s, layer, config, b, rows) for layer in s.kinds)
+    # a recurrent layer's decode gathers its rows' states from their slots and steps them (state.py): two copies
+    decode += 2 * rows * max((layer.mixer.state for layer in s.per_layer if layer.mixer is not None), default=0)
     capacity = max(min(ENGINE.max_num_seqs, ENGINE.max_num_batched_tokens), G)  # the engine's DecodeBatch rows
     pools = len(kv)
     buffers = (config.generation_batch_size * config.max_completion_length * OUTPUT_BYTES_PER_TOKEN

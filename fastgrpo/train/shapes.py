@@ -22,6 +22,7 @@ bound there. A layer whose attention or MLP is of a kind the plan has no terms f
 (`ValueError`), naming the layer and its module.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -322,6 +323,9 @@ def mixer_bytes(module: nn.Module, hidden: int, state: int = 0) -> MixerBytes:
     terms); per token is the difference over the difference in tokens, fixed what is left."""
     from fastgrpo.memory import LiveBytes
 
+    key = (type(module), hidden, tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()))
+    if key in _MIXERS:  # a model's recurrent layers are alike: measured once
+        return dataclasses.replace(_MIXERS[key], state=state)
     weight = next(module.parameters())
     training = module.training
     frozen = [(p, p.requires_grad) for p in module.parameters()]
@@ -356,7 +360,11 @@ def mixer_bytes(module: nn.Module, hidden: int, state: int = 0) -> MixerBytes:
     for a, b in zip(short, long, strict=True):
         per_token = -(-(b - a) // span)
         terms.append((per_token, max(0, a - per_token * MIXER_LENGTHS[0])))
-    return MixerBytes(*terms, state=state)
+    _MIXERS[key] = MixerBytes(*terms, state=state)
+    return _MIXERS[key]
+
+
+_MIXERS: dict[tuple, MixerBytes] = {}
 
 
 def _is_norm(module: nn.Module) -> bool:

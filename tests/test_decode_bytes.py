@@ -49,3 +49,18 @@ def test_the_decode_bytes_suite_writes_its_counts(counts, tmp_path):
     record = json.loads(record.read_text())["qwen2.5-1.5b"]
     assert record == {"num_hidden_layers": 28, "transformers": counts[False], "fused": counts[True]}
     assert "| qwen2.5-1.5b | fused | 8 (4) |" in md.read_text()
+
+
+def test_a_recurrent_layer_steps_its_state_from_the_slots():
+    """Qwen3.5-9B's Gated DeltaNet layer at decode: no K/V; each row's state (32 heads x 128 x 128 fp32, and the
+    convolution's last 4 inputs of 8192 channels in bf16) read and written at least once, which the counted path
+    does (it moves more: transformers' PyTorch recurrent step passes over the state several times)."""
+    rows = 8
+    c = count_decode_bytes(MODELS / "qwen3.5-9b", fused=False, num_sequences=rows, context_length=40,
+                           layer_type="linear_attention")
+    state = 32 * 128 * 128 * 4 + (2 * 16 * 128 + 32 * 128) * 4 * 2
+    assert c["state_bytes"] == 2 * rows * state and c["attention_kv_bytes"] == 0 and c["head"] is None
+    assert c["layer"]["elementwise"] > c["state_bytes"]
+    attention = count_decode_bytes(MODELS / "qwen3.5-9b", fused=False, num_sequences=rows, context_length=40,
+                                   layer_type="full_attention")
+    assert attention["state_bytes"] == 0 and attention["attention_kv_bytes"] > 0

@@ -5,6 +5,11 @@ The engine's fused layers and sampler against transformers' modules and the PyTo
 allocated). Times are bytes over 3.35 TB/s (H100 SXM HBM3 at peak): a model on paper, not a measurement.
 
     fastgrpo bench decode-bytes          # Qwen2.5-1.5B and Qwen2.5-7B, 512 sequences at context 768; ~30 s
+    fastgrpo bench decode-bytes --models qwen3.5-9b    # a hybrid: a row per kind of layer
+
+A hybrid's recurrent layer (Qwen3.5's Gated DeltaNet) reads and writes each sequence's state every step: the state
+column is that traffic at its least (each row's state read once and written once), beside what the engine's path
+counts (it gathers the rows' states from their slots, steps them, and writes them back).
 
 Writes <out-dir>/decode-bytes-<date>.md (and .json).
 """
@@ -39,21 +44,35 @@ def run(args: argparse.Namespace) -> dict:
     harness.check_out_dir(args.out_dir)
     rows, record = [], {}
     for name in args.models:
-        config = harness.MODELS / name
-        layers = AutoConfig.from_pretrained(config).num_hidden_layers
-        counts = {path: count_decode_bytes(config, fused=path == "fused", num_sequences=args.sequences,
-                                           context_length=args.context) for path in ("transformers", "fused")}
-        record[name] = {"num_hidden_layers": layers, **counts}
-        for path, c in counts.items():
-            layer, head = c["layer"], c["head"]
+        config = AutoConfig.from_pretrained(harness.MODELS / name)
+        kinds = list(dict.fromkeys(getattr(config.get_text_config(), "layer_types", None) or [None]))
+        per_kind = {kind: (config.get_text_config().layer_types.count(kind) if kind else config.num_hidden_layers)
+                    for kind in kinds}  # fmt: skip
+        counts = {(kind, path): count_decode_bytes(harness.MODELS / name, fused=path == "fused",
+                                                   num_sequences=args.sequences, context_length=args.context,
+                                                   layer_type=kind if len(kinds) > 1 else None)
+                  for kind in kinds for path in ("transformers", "fused")}  # fmt: skip
+        if len(kinds) == 1:
+            record[name] = {"num_hidden_layers": config.num_hidden_layers,
+                            **{path: c for (_, path), c in counts.items()}}
+        else:
+            record[name] = {"layers": per_kind, **{f"{kind}, {path}": c for (kind, path), c in counts.items()}}
+        heads = {path: c["head"] for (kind, path), c in counts.items() if c["head"] is not None}
+        steps = {path: sum(head.values()) for path, head in heads.items()}
+        for (kind, path), c in counts.items():
+            layer, layers = c["layer"], per_kind[kind]
             non_gemm = layer["elementwise"] + layer["fused"]
-            step = layers * (non_gemm + layer["gemm"] + c["attention_kv_bytes"]) + sum(head.values())
-            sampler = head["elementwise"] + head["fused"]
-            rows.append(f"| {name} | {path} | {sum(c['layer_ops'].values())} ({c['layer_ops']['gemm']}) | "
+            steps[path] += layers * (non_gemm + layer["gemm"] + c["attention_kv_bytes"])
+        for (kind, path), c in counts.items():
+            layer, layers = c["layer"], per_kind[kind]
+            non_gemm = layer["elementwise"] + layer["fused"]
+            sampler = heads[path]["elementwise"] + heads[path]["fused"]
+            label = name if len(kinds) == 1 else f"{name}, {layers} {kind} layers"
+            rows.append(f"| {label} | {path} | {sum(c['layer_ops'].values())} ({c['layer_ops']['gemm']}) | "
                         f"{non_gemm / MB:.1f} MB | {layer['gemm'] / MB:.1f} MB | "
-                        f"{c['attention_kv_bytes'] / MB:.0f} MB | {sampler / MB:.0f} MB | "
-                        f"{layers * non_gemm / HBM * 1e3:.2f} ms | {sampler / HBM * 1e3:.2f} ms | "
-                        f"{step / HBM * 1e3:.2f} ms |")
+                        f"{c['attention_kv_bytes'] / MB:.0f} MB | {c['state_bytes'] / MB:.0f} MB | "
+                        f"{sampler / MB:.0f} MB | {layers * non_gemm / HBM * 1e3:.2f} ms | "
+                        f"{sampler / HBM * 1e3:.2f} ms | {steps[path] / HBM * 1e3:.2f} ms |")
     date = datetime.date.today().isoformat()
     lines = [
         f"# Decode step bytes, counted ({date})",
@@ -62,12 +81,15 @@ def run(args: argparse.Namespace) -> dict:
         "bf16, counted op by op on fake tensors (fastgrpo.bench.memory_trace.BytesMoved). *transformers*: the model's "
         "own modules with the paged attention function, then the PyTorch sampler over an fp32 copy of the logits; "
         "*fused*: the engine's decode layers with their CUDA kernels and the fused sampler. The attention kernel (the "
-        "same on both) is the K/V column. Times are bytes / 3.35 TB/s: on paper, not measured.",
+        "same on both) is the K/V column. A hybrid gets a row per kind of layer; its recurrent layers step their "
+        "state from the rows' slots (counted in the non-GEMM bytes), and the state column is the least that takes "
+        "(each row's state read and written once). The whole step's bytes are the model's: every kind of layer "
+        "and the rest of the step. Times are bytes / 3.35 TB/s: on paper, not measured.",
         "",
         "| model | path | launches per layer (GEMMs) | per layer, besides GEMMs and attention | GEMMs per layer | "
-        "attention K/V per layer | sampler + final norm | all layers' non-GEMM bytes / HBM | sampler / HBM | "
-        "whole step's bytes / HBM |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "attention K/V per layer | recurrent state read + written per layer, at least | sampler + final norm | "
+        "these layers' non-GEMM bytes / HBM | sampler / HBM | whole step's bytes / HBM |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
     out = Path(args.out_dir)

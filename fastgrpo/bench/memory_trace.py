@@ -58,7 +58,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from fastgrpo.memory import LiveBytes, storage_bytes
-from fastgrpo.sampling.state import RecurrentState, slots_for  # noqa: F401 - the tracer's counter (tests import it here)
+from fastgrpo.sampling.state import RecurrentState, StateStep, slots_for  # noqa: F401 - the tracer's counter (tests import it here)
 from fastgrpo.sizes import GiB
 
 aten = torch.ops.aten
@@ -697,7 +697,8 @@ class BytesMoved(TorchDispatchMode):
 
 
 def count_decode_bytes(model_config, *, fused: bool, dtype: torch.dtype = torch.bfloat16, num_sequences: int = 512,
-                       context_length: int = 768, block_size: int = 16, params=None) -> dict:
+                       context_length: int = 768, block_size: int = 16, params=None,
+                       layer_type: str | None = None) -> dict:
     """Bytes one decode step of the engine moves on a GPU, counted op by op (BytesMoved) on fake CPU tensors at real
     shapes: `fused` runs the engine's own layers with their CUDA kernels (decode_layers.py with the triton ops, the
     fused sampler), not `fused` transformers' modules with the paged attention function and the PyTorch sampler
@@ -707,6 +708,11 @@ def count_decode_bytes(model_config, *, fused: bool, dtype: torch.dtype = torch.
     per KV head, `attention_kv_bytes`). Returns {"layer": {kind: bytes}, "layer_ops": {kind: launches},
     "head": ..., "head_ops": ..., "attention_kv_bytes": int}: per decoder layer (the difference of a model with one
     layer more), and the rest of the step (embedding, rotary tables, final norm, lm_head, sampler).
+
+    A hybrid (config.layer_types of several kinds): `layer_type` names the kind of layer counted, a model of one
+    attention layer against one with a layer of that kind before it; a recurrent layer's decode runs from its rows'
+    state slots (state.py), and "state_bytes" is what it must read and write of them at least (each row's state
+    once each way).
     """
     from fastgrpo.sampling.attention import build_paged_batch
     from fastgrpo.sampling.batch import DecodeBatch
@@ -718,10 +724,12 @@ def count_decode_bytes(model_config, *, fused: bool, dtype: torch.dtype = torch.
     config = _load_config(model_config)
     params = SamplingParams() if params is None else params
     S, pages = num_sequences, blocks_for(context_length, block_size)
-    counts = []
+    counts, states = [], None
     for layers in (1, 2):
         fields = {**config.to_dict(), "num_hidden_layers": layers}
-        if fields.get("layer_types"):
+        if layer_type is not None:
+            fields["layer_types"] = [layer_type, "full_attention"][2 - layers :]
+        elif fields.get("layer_types"):
             fields["layer_types"] = fields["layer_types"][:layers]
         layer_config = type(config).from_dict(fields)
         built = _build(layer_config, dtype, use_peft=False, lora_r=0, lora_alpha=0, lora_dropout=0.0,
@@ -730,15 +738,20 @@ def count_decode_bytes(model_config, *, fused: bool, dtype: torch.dtype = torch.
         with built.fake, _AssumeValid():
             engine = Engine(built.model, block_size=block_size, attention=_output_only_attention(triton=fused),
                             fused_layers=fused)
-            kv_cache = torch.zeros(layers, 2, S * pages, block_size, engine.num_kv_heads, engine.head_dim,
-                                   dtype=engine.dtype)
+            kv_cache = torch.zeros(engine.num_layers, 2, S * pages, block_size, engine.num_kv_heads,
+                                   engine.head_dim, dtype=engine.dtype)
+            state = step = None
+            if engine.layer_model.states:
+                states = engine.layer_model.states
+                state = RecurrentState(states, S, engine.device)
+                step = StateStep(state, torch.arange(S), [], [], [])
             rows = _decode_rows(DecodeBatch(S, pages, block_size, engine.device), S, pages, context_length).inputs()
             u = None if params.greedy else torch.empty(S, dtype=torch.float64)
             with engine._sampling_mode():
                 paged_batch = build_paged_batch(KVCache.from_tensor(kv_cache, engine.layer_model), [], [], [], [],
                                                 engine.backend, 1, rows=rows, rows_max_context=context_length)
                 with BytesMoved() as moved:  # the forward and the sampler, not the batch's set-up
-                    logits = engine._forward(rows["input_ids"], rows["positions"], paged_batch)
+                    logits = engine._forward(rows["input_ids"], rows["positions"], paged_batch, 0, step)
                     engine._sample(logits, params, u, None)
         counts.append(moved)
     one, two = counts
@@ -747,10 +760,14 @@ def count_decode_bytes(model_config, *, fused: bool, dtype: torch.dtype = torch.
     itemsize = torch.empty((), dtype=dtype).element_size()
     text = config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    recurrent = layer_type not in (None, "full_attention", "sliding_attention")
+    # (the rest of the step is the one-layer model less its layer: an attention layer's count, not a recurrent one's)
     return {"layer": layer, "layer_ops": layer_ops,
-            "head": {kind: one.bytes[kind] - layer[kind] for kind in layer},
-            "head_ops": {kind: one.ops[kind] - layer_ops[kind] for kind in layer_ops},
-            "attention_kv_bytes": 2 * S * context_length * text.num_key_value_heads * head_dim * itemsize}
+            "head": None if recurrent else {kind: one.bytes[kind] - layer[kind] for kind in layer},
+            "head_ops": None if recurrent else {kind: one.ops[kind] - layer_ops[kind] for kind in layer_ops},
+            "attention_kv_bytes": 0 if recurrent else 2 * S * context_length * text.num_key_value_heads * head_dim
+            * itemsize,
+            "state_bytes": 2 * S * sum(layer.nbytes for layer in states) if states else 0}
 
 
 def measure_trainer_step(trainer) -> dict:

@@ -197,3 +197,24 @@ def test_other_recurrent_layers_are_refused_in_one_line(family, kind):
     with pytest.raises(Refused, match=kind) as error:
         Engine(build_model(family, config, 0))
     assert "\n" not in str(error.value)
+
+
+def test_streamed_groups_and_stop_tokens(family):
+    """Dynamic sampling's streamed admission: two groups at a time, each finished group granting one more start, the
+    call stopped when the third finishes (the group still running is dropped, its pages and state slots freed);
+    each finished group samples what it samples in a plain call. Stop tokens end completions early."""
+    name, model = family
+    stops = SamplingParams(temperature=1.0, max_new_tokens=20, seed=4, stop_token_ids=(5, 6, 7, 8, 9))
+    want = engine_for(model).generate(prompts(), n=2, params=stops)
+    assert any(c.finish_reason == "stop" for group in want for c in group)
+    finished = []
+
+    def group_done(index, completions):
+        finished.append(index)
+        return 1 if len(finished) < 3 else None
+
+    engine = engine_for(model)
+    got = engine.generate(prompts(), n=2, params=stops, admit=2, group_done=group_done)
+    assert len(finished) == 3 and engine.stats.num_groups_started == 4 and engine.stats.leaked_blocks == 0
+    for index in finished:
+        assert tokens_of([got[index]]) == tokens_of([want[index]])

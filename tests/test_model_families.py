@@ -51,7 +51,8 @@ HEADS = {family: {"logit_scale": 1.0, "logit_softcap": None} for family in FAMIL
 HEADS.update({family: {"logit_scale": 1.0, "logit_softcap": 30.0} for family in ("gemma2", "gemma3_text",
                                                                                   "gemma4_text")})
 HEADS["cohere"] = {"logit_scale": 0.25, "logit_softcap": None}
-TIED = ("gemma", "gemma2", "gemma3_text", "gemma4_text", "cohere", "lfm2")  # their configs tie the head to the embeddings
+# their configs tie the head to the embeddings
+TIED = ("gemma", "gemma2", "gemma3_text", "gemma4_text", "cohere", "lfm2")
 # The head's weight is scaled so that the logits reach about +-60 (a random tiny model's stay within +-1): a cap of 30
 # bends them by more than 1 nat there, so the check below that the plain head is wrong can fail, and the softmax is
 # not saturated either.

@@ -512,12 +512,20 @@ def shared_kv_bytes(s: Shapes, b: int, training: bool) -> int:
                for layer in sources.values())
 
 
-def engine_forward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: int, tokens: int) -> int:
+def engine_forward_bytes(s: Shapes, layer: LayerShape, config: TrainConfig, b: int, tokens: int,
+                         segment: int | None = None, decode: bool = False) -> int:
     """The sampling engine's forward of `tokens` tokens (its own attention: no scores, no masks) at one layer, untiled:
     SwiGLU's four [T, I] tensors at the down projection, with LoRA its input in fp32; experts their no-grad moment
-    (experts_forward_bytes, with the effective weights LoRA on them forms every forward)."""
+    (experts_forward_bytes, with the effective weights LoRA on them forms every forward). A recurrent layer runs each
+    prefill segment alone (at most `segment` tokens: its no-grad forward's moment over those, beside the layer's
+    input, normed input and the segments' outputs joined, 3 H b per token), and a decode step's rows together (its
+    measured decode moment: their states gathered, stepped and written back)."""
     lora = 4 if config.use_peft else 0
     mlp = tokens * (4 * b + lora) * layer.intermediate + experts_forward_bytes(layer, b, s.hidden, tokens)
-    if layer.mixer is None:
+    mixer = layer.mixer
+    if mixer is None:
         return mlp
-    return max(mlp, 2 * tokens * s.hidden * b + layer.mixer.at(layer.mixer.forward, tokens))
+    if decode:
+        return max(mlp, 2 * tokens * s.hidden * b + mixer.at(mixer.decode, tokens))
+    alone = tokens if segment is None else min(tokens, segment)
+    return max(mlp, 3 * tokens * s.hidden * b + mixer.at(mixer.forward, alone))

@@ -281,10 +281,10 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     sizing = round_sizing(config, prompt)
     kv = kv_pool_bytes(s, blocks, bs, kv_bytes(config, device_type), config.kv_cache_dtype == "fp8", sizing=sizing)
     prefill_tokens = min(ENGINE.max_num_batched_tokens, P * prompt + rows)
-    prefill = max(engine_forward_bytes(s, layer, config, b, prefill_tokens) for layer in s.kinds)
-    decode = rows * 2 * s.hidden * b + max(engine_forward_bytes(s, layer, config, b, rows) for layer in s.kinds)
-    # a recurrent layer's decode gathers its rows' states from their slots and steps them (state.py): two copies
-    decode += 2 * rows * max((layer.mixer.state for layer in s.per_layer if layer.mixer is not None), default=0)
+    segment = min(ENGINE.max_num_batched_tokens, prompt)  # the longest prefill segment (a recurrent layer's call)
+    prefill = max(engine_forward_bytes(s, layer, config, b, prefill_tokens, segment) for layer in s.kinds)
+    decode = rows * 2 * s.hidden * b + max(engine_forward_bytes(s, layer, config, b, rows, decode=True)
+                                           for layer in s.kinds)
     capacity = max(min(ENGINE.max_num_seqs, ENGINE.max_num_batched_tokens), G)  # the engine's DecodeBatch rows
     pools = len(kv)
     buffers = (config.generation_batch_size * config.max_completion_length * OUTPUT_BYTES_PER_TOKEN

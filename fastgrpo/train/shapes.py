@@ -61,12 +61,15 @@ def linear_shape(module: nn.Module) -> tuple[int, int]:
 class MixerBytes:
     """A recurrent mixer's bytes, each as (per token, fixed) over the tokens of a micro-batch, besides its input: what
     its forward with grad keeps for the backward (`saved`, its output not included), the most its backward holds
-    besides those and its output's gradient (`backward`), and the most a no-grad forward holds, its output included
-    (`forward`). `state`: one sequence's state in the engine (its conv and recurrent state)."""
+    besides those and its output's gradient (`backward`), and the most a no-grad forward of one sequence holds, its
+    output included (`forward`; the engine runs each prefill segment alone). `decode`: (per row, fixed) of the
+    engine's decode step of the layer (the rows' states gathered from their slots, stepped, written back), besides
+    the slots. `state`: one sequence's state in the engine (its conv and recurrent state)."""
 
     saved: tuple[int, int]
     backward: tuple[int, int]
     forward: tuple[int, int]
+    decode: tuple[int, int] = (0, 0)
     state: int = 0
 
     @staticmethod
@@ -212,7 +215,7 @@ def model_shapes(model_config) -> Shapes:
         reason = " ".join(str(error).split())[:200]
         raise ValueError(f"model_name_or_path: cannot plan {name}: the engine's probe of its attention does not run "
                          f"on the meta device ({type(error).__name__}: {reason})") from None
-    states = {layer.name: layer.nbytes for layer in attention.states}
+    states = {layer.name: layer for layer in attention.states}
     names = {id(module): module_name for module_name, module in model.named_modules()}
     per_layer = [_layer_shape(name, i, layer, text, attention, states, names) for i, layer in enumerate(layers)]
     head = model.get_output_embeddings()
@@ -259,8 +262,8 @@ def _token_mixer(layer: nn.Module, attention) -> tuple[nn.Module | None, nn.Modu
     return attn, mixer
 
 
-def _layer_shape(model: str, index: int, layer: nn.Module, text, attention, states: dict[str, int],
-                 names: dict[int, str]) -> LayerShape:
+def _layer_shape(model: str, index: int, layer: nn.Module, text, attention, states: dict,
+                 names: dict[int, str]) -> LayerShape:  # states: module name -> sampling.state.StateLayer
     where = f"model_name_or_path: cannot plan {model}: layer {index} ({type(layer).__name__})"
     attn, recurrent = _token_mixer(layer, attention)
     if attn is None and recurrent is None and _child(layer, ATTENTION_NAMES) is not None:
@@ -275,7 +278,7 @@ def _layer_shape(model: str, index: int, layer: nn.Module, text, attention, stat
         widths = dict(heads=0, kv_heads=0, head_dim=0, v_head_dim=0)
     mixer = None
     if recurrent is not None:
-        mixer = mixer_bytes(recurrent, text.hidden_size, states.get(names.get(id(recurrent)), 0))
+        mixer = mixer_bytes(recurrent, text.hidden_size, states.get(names.get(id(recurrent))))
     token_mixer = attn if attn is not None else recurrent
     mlp, experts = _mlp(layer, token_mixer), _experts(layer)
     dense = mlp if experts is None or not _contains(mlp, experts) else _child(mlp, ("shared_expert", "shared_experts"))
@@ -317,51 +320,82 @@ def _mlp(layer: nn.Module, token_mixer: nn.Module | None) -> nn.Module | None:
     return mlp
 
 
-def mixer_bytes(module: nn.Module, hidden: int, state: int = 0) -> MixerBytes:
+def mixer_bytes(module: nn.Module, hidden: int, state=None) -> MixerBytes:
     """A recurrent mixer's moments (MixerBytes), from its own forward and backward on meta tensors at MIXER_LENGTHS
     tokens (one sequence each), in training mode, its parameters frozen (their gradients are the plan's weight
-    terms); per token is the difference over the difference in tokens, fixed what is left."""
+    terms); per token is the difference over the difference in tokens, fixed what is left. With `state` (the engine's
+    StateLayer of the module) the decode step too, at MIXER_ROWS rows, through the engine's own state path."""
     from fastgrpo.memory import LiveBytes
 
     key = (type(module), hidden, tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()))
-    if key in _MIXERS:  # a model's recurrent layers are alike: measured once
-        return dataclasses.replace(_MIXERS[key], state=state)
-    weight = next(module.parameters())
-    training = module.training
-    frozen = [(p, p.requires_grad) for p in module.parameters()]
-    module.train()
-    measured = []
-    try:
-        for p, _ in frozen:
-            p.requires_grad_(False)
-        for tokens in MIXER_LENGTHS:
-            x = torch.empty(1, tokens, hidden, device="meta", dtype=weight.dtype, requires_grad=True)
-            with LiveBytes([x]) as live:
-                out = module(x)
-                output = out.untyped_storage().nbytes()
-                saved = live.current - live.base - output
-                grad = torch.empty_like(out)
-                start = live.current
-                live.peak = start
-                out.backward(grad)
-                backward = live.peak - start
-                del out, grad
-            with torch.no_grad(), LiveBytes([x]) as live:
-                out = module(x)
-                forward = live.peak - live.base
-                del out
-            measured.append((saved, backward, forward))
-    finally:
-        module.train(training)
-        for p, requires_grad in frozen:
-            p.requires_grad_(requires_grad)
-    (short, long), span = (measured[0], measured[1]), MIXER_LENGTHS[1] - MIXER_LENGTHS[0]
-    terms = []
-    for a, b in zip(short, long, strict=True):
-        per_token = -(-(b - a) // span)
-        terms.append((per_token, max(0, a - per_token * MIXER_LENGTHS[0])))
-    _MIXERS[key] = MixerBytes(*terms, state=state)
-    return _MIXERS[key]
+    if key not in _MIXERS:  # a model's recurrent layers are alike: measured once
+        weight = next(module.parameters())
+        held = [*module.parameters(), *module.buffers()]  # counted from the start: the views of them add nothing
+        training = module.training
+        frozen = [(p, p.requires_grad) for p in module.parameters()]
+        module.train()
+        measured = []
+        try:
+            for p, _ in frozen:
+                p.requires_grad_(False)
+            for tokens in MIXER_LENGTHS:
+                x = torch.empty(1, tokens, hidden, device="meta", dtype=weight.dtype, requires_grad=True)
+                with LiveBytes([x, *held]) as live:
+                    out = module(x)
+                    output = out.untyped_storage().nbytes()
+                    saved = live.current - live.base - output
+                    grad = torch.empty_like(out)
+                    start = live.current
+                    live.peak = start
+                    out.backward(grad)
+                    backward = live.peak - start
+                    del out, grad
+                with torch.no_grad(), LiveBytes([x, *held]) as live:
+                    out = module(x)
+                    forward = live.peak - live.base
+                    del out
+                measured.append((saved, backward, forward))
+            decode = _decode_bytes(module, hidden, weight.dtype, state) if state is not None else []
+        finally:
+            module.train(training)
+            for p, requires_grad in frozen:
+                p.requires_grad_(requires_grad)
+        terms = [_linear(a, b, MIXER_LENGTHS) for a, b in zip(*measured, strict=True)]
+        decode_term = _linear(*decode, MIXER_ROWS) if decode else (0, 0)
+        _MIXERS[key] = MixerBytes(*terms, decode=decode_term)
+    return dataclasses.replace(_MIXERS[key], state=state.nbytes if state is not None else 0)
+
+
+MIXER_ROWS = (8, 16)  # decode rows the engine's step of a recurrent layer is run at
+
+
+def _linear(a: int, b: int, at: tuple[int, int]) -> tuple[int, int]:
+    """(per unit, fixed) through the counts a at at[0] units and b at at[1]."""
+    per_unit = -(-(b - a) // (at[1] - at[0]))
+    return per_unit, max(0, a - per_unit * at[0])
+
+
+def _decode_bytes(module: nn.Module, hidden: int, dtype: torch.dtype, state) -> list[int]:
+    """The engine's decode step of the module at each of MIXER_ROWS rows, on meta tensors: its rows' states gathered
+    from their slots, the module's one-token form, the states written back (sampling.state), eval mode, no grad;
+    bytes besides the slots and the input."""
+    from fastgrpo.memory import LiveBytes
+    from fastgrpo.sampling.state import RecurrentState, StateStep, state_step, wrapped
+
+    module.eval()
+    out = []
+    with torch.no_grad(), wrapped([module]):
+        for rows in MIXER_ROWS:
+            slots = RecurrentState((state,), rows, torch.device("meta"))
+            x = torch.empty(1, rows, hidden, device="meta", dtype=dtype)
+            held = [x, *module.parameters(), *module.buffers(),
+                    *(t for t in slots.conv + slots.recurrent if t is not None)]
+            with LiveBytes(held) as live:
+                with state_step(StateStep(slots, torch.arange(rows, device="meta"), [], [], [])):
+                    y = module(x)
+                out.append(live.peak - live.base)
+                del y
+    return out
 
 
 _MIXERS: dict[tuple, MixerBytes] = {}

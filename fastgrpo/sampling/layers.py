@@ -134,6 +134,10 @@ def probe(hf_model, model=None) -> LayerModel:
     if problem is not None:
         raise Refused(f"{name}'s forward {problem}, so it cannot run the engine's packed batches")
     calls, states = _record_calls(hf_model, model, stateful)
+    split = next((layer.name for layer in states if not layer.one_per_token), None)
+    if split is not None:
+        raise Refused(f"{name}'s recurrent layer {split} does not return one tensor with a row per token, which the "
+                      f"engine cannot split per sequence")
     if not calls and states:
         raise Refused(f"{name} has recurrent layers only: the paged engine samples models with attention layers (a "
                       f"hybrid's recurrent state it keeps beside their pages)")

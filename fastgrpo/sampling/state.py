@@ -50,6 +50,7 @@ class StateLayer:
     name: str  # its module name
     conv: tuple[tuple[int, ...], torch.dtype] | None  # ([C, K], dtype) of its causal convolution's inputs
     recurrent: tuple[tuple[int, ...], torch.dtype] | None  # (shape, dtype) of its state matrices
+    one_per_token: bool = True  # its forward returns one tensor with a row per token (else the engine cannot split)
 
     @property
     def nbytes(self) -> int:
@@ -243,9 +244,7 @@ class _Recorder(_View):
 
 def _run(module, forward, hidden: torch.Tensor, conv, recurrent, fresh: bool) -> torch.Tensor:
     out = forward(hidden, cache=_View(conv, recurrent, fresh), attention_mask=None)
-    if not isinstance(out, torch.Tensor) or out.shape[:2] != hidden.shape[:2]:
-        raise ValueError(f"{type(module).__name__} returned {type(out).__name__}, not one tensor per token: the "
-                         f"engine cannot run it on its packed batches")
+    assert isinstance(out, torch.Tensor) and out.shape[:2] == hidden.shape[:2]  # (the probe refuses others)
     return out
 
 
@@ -306,7 +305,9 @@ def recording(modules: list[tuple[str, torch.nn.Module]]):
         def record(hidden_states, *args, _name=name, _forward=forward, **kwargs):
             view = views[_name] = _Recorder()
             kwargs.pop("cache", None), kwargs.pop("cache_params", None), kwargs.pop("past_key_values", None)
-            return _forward(hidden_states, *args, **{**kwargs, "cache": view})
+            out = _forward(hidden_states, *args, **{**kwargs, "cache": view})
+            view.one_per_token = isinstance(out, torch.Tensor) and out.shape[:2] == hidden_states.shape[:2]
+            return out
 
         originals.append((module, vars(module).get("forward")))
         module.forward = record
@@ -321,7 +322,7 @@ def recording(modules: list[tuple[str, torch.nn.Module]]):
             continue
         conv = None if view.conv is None else (tuple(view.conv.shape[1:]), view.conv.dtype)
         recurrent = None if view.recurrent is None else (tuple(view.recurrent.shape[1:]), view.recurrent.dtype)
-        layers.append(StateLayer(name, conv, recurrent))
+        layers.append(StateLayer(name, conv, recurrent, view.one_per_token))
 
 
 def _restore(originals: list[tuple[torch.nn.Module, object]]) -> None:

@@ -35,6 +35,10 @@ prompt.
     prompt again, then its unfinished children start again. So does a group of one whose child, holding the
     prompt's pages, is preempted.
 
+Hybrid models (recurrent layers: state.py) keep a state slot per sequence beside its pages, taken, copied and freed
+with them (pages.PagePool); `max_groups` caps the groups running at once, so that a slot per row and one per running
+group's prompt always suffice.
+
 Multi-turn (`multi_turn=True`): a sequence that samples a stop token ends its turn instead of finishing. It leaves
 the decode batch and is `parked`, keeping its pages and its place under the row limit, until `resume` gets the
 caller's answer: None finishes it; tokens are appended and it becomes host work again, a continuation that feeds the

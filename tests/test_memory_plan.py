@@ -347,6 +347,11 @@ FAMILY_LAYERS = {
                     (4, 2, 16, 8, True, False, 256, 0), (4, 2, 32, None, True, False, 256, 0)},
     "qwen3_moe": {(4, 2, 16, None, False, False, 0, 4)},
     "mistral": {(4, 2, 16, 8, False, False, 128, 0)},  # the window comes from the config, for every layer
+    # 3 Gated DeltaNet layers (no heads, no pages: a recurrent mixer) and a gated attention layer
+    "qwen3_5_text": {(0, 0, 0, None, False, False, 128, 0), (4, 2, 16, None, False, False, 128, 0)},
+    # Mamba-2, attention, Mamba-2, experts: Nemotron-H's layers are one block each
+    "nemotron_h": {(0, 0, 0, None, False, False, 0, 0), (4, 2, 16, None, False, False, 0, 0),
+                   (0, 0, 0, None, False, False, 32, 4)},
 }
 
 
@@ -367,6 +372,9 @@ def test_each_family_is_read_layer_by_layer_and_planned(family):
     kinds = {(layer.heads, layer.kv_heads, layer.head_dim, layer.window, layer.kv_shared, layer.sinks,
               layer.intermediate, layer.experts) for layer in shapes.per_layer}
     assert kinds == FAMILY_LAYERS[family]
+    recurrent = [layer for layer in shapes.per_layer if layer.mixer is not None]
+    assert len(recurrent) == {"qwen3_5_text": 3, "nemotron_h": 2}.get(family, 0)
+    assert all(layer.mixer.saved[0] > 0 and layer.mixer.decode[0] >= layer.mixer.state > 0 for layer in recurrent)
     plan = plan_memory(lora_config(), shapes=shapes)
     assert all(plan.peak(phase) > plan.phases[phase]["weights"] for phase in plan.phases)
     N, bs = plan.settings["kv_blocks"], 16

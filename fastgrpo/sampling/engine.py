@@ -16,6 +16,9 @@ each finished group to `g`, which lets more start or stops the call (the rest ar
 
 Multi-turn rollouts (agents): `generate(..., turn_end=f)` parks a sequence whose turn ended, with its pages, and
 appends the tokens `f` returns for it as a prefill continuation (turns.py): no token is computed twice.
+
+Hybrid models (Qwen3.5's Gated DeltaNet, Mamba-2, LFM2's convolutions beside attention): each sequence's recurrent
+state lives in a slot beside its pages (state.py), allocated, copied to a prompt's children and freed with them.
 """
 
 import os

@@ -324,8 +324,8 @@ def test_engine_allocates_fp8_pages_and_takes_each_calls_scales():
     assert engine.kv_dtype == FP8 and Engine(model).kv_dtype == torch.float32
     seen = []
     forward = engine._forward
-    engine._forward = lambda ids, pos, paged, keep=0: seen.append(
-        (paged.kv_cache.dtype, engine._kv_scales.clone())) or forward(ids, pos, paged, keep)
+    engine._forward = lambda ids, pos, paged, keep=0, states=None: seen.append(
+        (paged.kv_cache.dtype, engine._kv_scales.clone())) or forward(ids, pos, paged, keep, states)
     params = SamplingParams(temperature=0, max_new_tokens=3, **NO_STOP)
     before = kv_scales(model)
     engine.generate([[5, 6, 7]], params=params)

@@ -252,6 +252,14 @@ def families(rows: list, record: dict, traces: bool = True, cells: tuple = None)
                 rows.append((label, picks, phase, plan.peak(phase), trace and trace[key], peak_phase))
 
 
+CONFIGS_SAID = {
+    "--families": "the published config.json (gpt-oss-20b; Gemma 3 12B's text model; Gemma 4 E2B's text model)",
+    "--hybrids": "transformers' own default configs of Qwen3.5-9B and Qwen3.5-35B-A3B "
+                 "(fastgrpo/bench/models/README.md); their Gated DeltaNet layers run transformers' PyTorch path, as the "
+                 "plan counts them",
+}
+
+
 def families_report(rows: list, day: str, flag: str = "--families") -> str:
     title = "The hybrids" if flag == "--hybrids" else "The 2026 families"
     lines = [f"# {title} on one GPU: plans and traces ({day}, torch {torch.__version__}, transformers "
@@ -261,7 +269,7 @@ def families_report(rows: list, day: str, flag: str = "--families") -> str:
              "--gpu-memory <card> --auto-fit` and the options shown (prompts of 512 tokens, 8 completions a step, "
              "LoRA r 16 as load_policy adds it: on gpt-oss's experts too, which takes lora_dropout 0; "
              "--recompute-lora-inputs, --mask-free-attention and --recompute-norms on, their defaults). Configs from "
-             "the published config.json (gpt-oss-20b; Gemma 3 12B's text model; Gemma 4 E2B's text model). Plan: "
+             f"{CONFIGS_SAID[flag]}. Plan: "
              "fastgrpo/train/plan.py, each layer read from the meta build (fastgrpo/train/shapes.py). Trace: live "
              "tensor storages on fake CPU tensors at real shapes, at the settings auto-fit picked: the sampling phase "
              "(trace_sampling: the engine's KV cache with its logical pool and one pool per sliding window, its "

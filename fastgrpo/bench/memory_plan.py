@@ -255,8 +255,8 @@ def families(rows: list, record: dict, traces: bool = True, cells: tuple = None)
 CONFIGS_SAID = {
     "--families": "the published config.json (gpt-oss-20b; Gemma 3 12B's text model; Gemma 4 E2B's text model)",
     "--hybrids": "transformers' own default configs of Qwen3.5-9B and Qwen3.5-35B-A3B "
-                 "(fastgrpo/bench/models/README.md); their Gated DeltaNet layers run transformers' PyTorch path, as the "
-                 "plan counts them",
+                 "(fastgrpo/bench/models/README.md); their Gated DeltaNet layers run transformers' PyTorch path, as "
+                 "the plan counts them",
 }
 
 

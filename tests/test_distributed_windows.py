@@ -1,6 +1,7 @@
-"""Several processes on a sliding-window model: a tiny Gemma 3 (window 8, shorter than the built-in task's prompts plus
-completions) trains the same on 2 processes x 4 sequences as on 1 process x 8, under FSDP2: each rank's engine keeps
-its own window pools, and the groups it samples do not depend on which rank samples them."""
+"""Several processes on the 2026 layer kinds: a tiny Gemma 3 (sliding window 8, shorter than the built-in task's
+prompts plus completions) and a tiny Qwen3.5 (3 Gated DeltaNet layers and 1 attention layer) each train the same on 2
+processes x 4 sequences as on 1 process x 8, under FSDP2: each rank's engine keeps its own window pools or recurrent
+state slots, and the groups it samples do not depend on which rank samples them."""
 
 import pytest
 import torch
@@ -10,10 +11,17 @@ from train_helpers import assert_same_metrics
 
 from fastgrpo.train.logs import read_metrics
 
+# family -> how far the final weights of 2 processes and 1 may be apart, relative to the largest: FSDP2 sums the 2
+# ranks' fp32 gradients in another order than one process does. Qwen3.5: the Qwen2 tests' 1e-5. Gemma 3: 3x that, its
+# embeddings scaled by sqrt(hidden) (8 here) carry the order into 3 steps of updates at lr 3e-3 (measured: 1.8e-6 of
+# 0.09).
+FAMILIES = {"gemma3_text": 3e-5, "qwen3_5_text": 1e-5}
+
 
 @pytest.mark.slow
-def test_two_processes_train_a_sliding_window_model_as_one(tmp_path):
-    model = save_tiny_model("gemma3_text", tmp_path / "gemma3")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_processes_train_as_one(tmp_path, family):
+    model = save_tiny_model(family, tmp_path / family)
     assets = {"model": model, "data": "builtin"}
     values = dict(max_completion_length=8, num_iterations=1, gradient_checkpointing=True)
     output = tmp_path / "fsdp"
@@ -23,9 +31,7 @@ def test_two_processes_train_a_sliding_window_model_as_one(tmp_path):
     metrics, params = one_process(options(assets, tmp_path / "one", **values))
     assert metrics[-1]["grad_norm"] > 0
     assert_same_metrics(metrics, read_metrics(output), tol=TOL)
-    # Parameters within 3e-5 of the largest (the Qwen2 tests' 1e-5 x 3): FSDP2 sums the 2 ranks' fp32 gradients in
-    # another order than one process does, and Gemma's embeddings scaled by sqrt(hidden) (8 here) carry that into
-    # 3 steps of updates at lr 3e-3 (measured: 1.8e-6 of 0.09).
     sharded = torch.load(str(output) + ".pt")
     largest = max(float(v.abs().max()) for v in params.values())
-    assert max(float((params[k] - sharded[k]).abs().max()) for k in params) <= 3e-5 * largest
+    worst = max(float((params[k] - sharded[k]).abs().max()) for k in params)
+    assert worst <= FAMILIES[family] * largest, worst / largest

@@ -202,7 +202,7 @@ FAMILY_TRAIN_PHASES = (("logprobs", "logprobs"), ("train: forward", "forward"), 
                        ("train: optimizer step", "optimizer"))
 
 
-def families(rows: list, record: dict, traces: bool = True, cells: tuple = None) -> None:
+def families(rows: list, record: dict, traces: bool = True, cells: tuple | None = None) -> None:
     """Section 4 of the module docstring: each cell's auto_fit plan (or why nothing fits), and the traces of its
     sampling phase and micro-batch at the settings it picked."""
     from transformers import AutoConfig

@@ -622,8 +622,8 @@ class Engine:
                 keep = torch.cat([torch.arange(num_rows, device=self.device), keep])
         states = None
         if state is not None:
-            states = StateStep(state, row_slots, list(host.query_lens) if host else [],
-                               list(host.state_slots) if host else [], list(host.fresh) if host else [])
+            segments = (host.query_lens, host.state_slots, host.fresh) if host else ([], [], [])
+            states = StateStep(state, row_slots, *map(list, segments))
         return self._forward(input_ids, positions, paged, keep, states)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, paged, keep: torch.Tensor | int = 0,

@@ -124,9 +124,8 @@ def probe(hf_model, model=None) -> LayerModel:
         around = any(_related(module_name, state_name) for state_name in names)
         stateless = calls_attention(module) or "Norm" in kind  # an attention layer, or a norm named after its family
         if module_name and not around and not stateless and any(word in kind for word in STATEFUL_MODULES):
-            where = f" ({module_name})" if module_name else ""
-            raise Refused(f"{name} has a {kind}{where}, a layer with recurrent state, which the paged engine does not "
-                          f"keep")
+            raise Refused(f"{name} has a {kind} ({module_name}), a layer with recurrent state, which the paged engine "
+                          f"does not keep")
     weight = hf_model.get_input_embeddings().weight
     # (the memory plan's meta build and the tracer's fake tensors hold shapes only: no values to compare)
     shapes_only = weight.device.type == "meta" or is_fake(weight)

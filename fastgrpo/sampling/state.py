@@ -40,7 +40,7 @@ VIEW_METHODS = frozenset({"get_conv_state", "get_recurrent_state", "is_recording
 # The forward a state module must have for the engine to run it on its own segments: nothing per token but these.
 STATE_PARAMETERS = (["hidden_states", "cache"], ["hidden_states", "cache", "attention_mask"])
 _CACHE_CALL = re.compile(r"\b(?:cache|cache_params|past_key_values)\.(\w+)\(")
-_SOURCES: dict[type, str] = {}
+_SOURCES: dict[type, tuple[str, frozenset[str]]] = {}  # class -> (forward's source, cache calls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,19 +60,21 @@ class StateLayer:
 
 
 def _source(module: torch.nn.Module) -> str:
-    """The source of the module's forward ("" where there is none to read)."""
+    """The source of the module's forward ("" where there is none to read), read once per class."""
     kind = type(module)
     if kind not in _SOURCES:
         try:
-            _SOURCES[kind] = inspect.getsource(inspect.unwrap(kind.forward))
+            source = inspect.getsource(inspect.unwrap(kind.forward))
         except (OSError, TypeError):
-            _SOURCES[kind] = ""
-    return _SOURCES[kind]
+            source = ""
+        _SOURCES[kind] = (source, frozenset(_CACHE_CALL.findall(source)))
+    return _SOURCES[kind][0]
 
 
 def cache_calls(module: torch.nn.Module) -> frozenset[str]:
     """The methods of transformers' cache that the module's forward calls."""
-    return frozenset(_CACHE_CALL.findall(_source(module)))
+    _source(module)
+    return _SOURCES[type(module)][1]
 
 
 def calls_attention(module: torch.nn.Module) -> bool:
@@ -276,46 +278,38 @@ def _forward_step(index: int, module, forward, hidden: torch.Tensor) -> torch.Te
 def wrapped(modules: list[torch.nn.Module]):
     """Each state module's forward runs the current StateStep's segments (`_forward_step`) while the block runs, and
     is itself again afterwards. Outside a step (a forward of the model's own), a module runs as it always does."""
-    originals = []
+    replacements = []
     for index, module in enumerate(modules):
-        forward = module.forward
 
-        def step_forward(hidden_states, *args, _index=index, _module=module, _forward=forward, **kwargs):
+        def step_forward(hidden_states, *args, _index=index, _module=module, _forward=module.forward, **kwargs):
             if _current is None:
                 return _forward(hidden_states, *args, **kwargs)
             return _forward_step(_index, _module, _forward, hidden_states)
 
-        originals.append((module, vars(module).get("forward")))
-        module.forward = step_forward
-    try:
+        replacements.append((module, step_forward))
+    with _forwards(replacements):
         yield
-    finally:
-        _restore(originals)
 
 
 @contextmanager
 def recording(modules: list[tuple[str, torch.nn.Module]]):
     """While the block runs a forward of one sequence (no cache), each state module runs with a recording view; yields
     the list that holds a StateLayer per module once the block ends (in `modules`' order)."""
-    views: dict[int, _Recorder] = {}
-    originals = []
+    views: dict[str, _Recorder] = {}
+    replacements = []
     for name, module in modules:
-        forward = module.forward
 
-        def record(hidden_states, *args, _name=name, _forward=forward, **kwargs):
+        def record(hidden_states, *args, _name=name, _forward=module.forward, **kwargs):
             view = views[_name] = _Recorder()
             kwargs.pop("cache", None), kwargs.pop("cache_params", None), kwargs.pop("past_key_values", None)
             out = _forward(hidden_states, *args, **{**kwargs, "cache": view})
             view.one_per_token = isinstance(out, torch.Tensor) and out.shape[:2] == hidden_states.shape[:2]
             return out
 
-        originals.append((module, vars(module).get("forward")))
-        module.forward = record
+        replacements.append((module, record))
     layers: list[StateLayer] = []
-    try:
+    with _forwards(replacements):
         yield layers
-    finally:
-        _restore(originals)
     for name, _ in modules:
         view = views.get(name)
         if view is None:
@@ -325,10 +319,18 @@ def recording(modules: list[tuple[str, torch.nn.Module]]):
         layers.append(StateLayer(name, conv, recurrent, view.one_per_token))
 
 
-def _restore(originals: list[tuple[torch.nn.Module, object]]) -> None:
-    """Each module's forward as it was: its own attribute (accelerate's hooks set one), or its class's."""
-    for module, own in originals:
-        if own is None:
-            del module.forward
-        else:
-            module.forward = own
+@contextmanager
+def _forwards(replacements: list[tuple[torch.nn.Module, object]]):
+    """Each (module, forward): the module's forward is that one while the block runs, then as it was (its own
+    attribute, which accelerate's hooks set, or its class's)."""
+    originals = [(module, vars(module).get("forward")) for module, _ in replacements]
+    for module, forward in replacements:
+        module.forward = forward
+    try:
+        yield
+    finally:
+        for module, own in originals:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own

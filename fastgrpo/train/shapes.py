@@ -266,9 +266,9 @@ def _layer_shape(model: str, index: int, layer: nn.Module, text, attention, stat
                  names: dict[int, str]) -> LayerShape:  # states: module name -> sampling.state.StateLayer
     where = f"model_name_or_path: cannot plan {model}: layer {index} ({type(layer).__name__})"
     attn, recurrent = _token_mixer(layer, attention)
-    if attn is None and recurrent is None and _child(layer, ATTENTION_NAMES) is not None:
-        attn = _child(layer, ATTENTION_NAMES)
-        raise ValueError(f"{where}: its attention ({type(attn).__name__}) makes no call to transformers' attention "
+    named = _child(layer, ATTENTION_NAMES)
+    if attn is None and recurrent is None and named is not None:
+        raise ValueError(f"{where}: its attention ({type(named).__name__}) makes no call to transformers' attention "
                          "interface")
     if attn is not None:
         call = attention.layers[attention.slot_of[id(attn)]]
@@ -327,7 +327,8 @@ def mixer_bytes(module: nn.Module, hidden: int, state=None) -> MixerBytes:
     StateLayer of the module) the decode step too, at MIXER_ROWS rows, through the engine's own state path."""
     from fastgrpo.memory import LiveBytes
 
-    key = (type(module), hidden, tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()))
+    parameters = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
+    key = (type(module), hidden, state is None, parameters)
     if key not in _MIXERS:  # a model's recurrent layers are alike: measured once
         weight = next(module.parameters())
         held = [*module.parameters(), *module.buffers()]  # counted from the start: the views of them add nothing
@@ -459,6 +460,7 @@ def _with_adapters(s: Shapes, config) -> Shapes:
     import copy
     import dataclasses
 
+    from fastgrpo.sampling.state import keeps_state
     from fastgrpo.train.lora import add_adapters
 
     # peft wraps in place (the meta build stays as it is) and draws its adapters' initial values from the global
@@ -471,7 +473,7 @@ def _with_adapters(s: Shapes, config) -> Shapes:
     for shape, layer in zip(s.per_layer, layers, strict=True):
         attn = _child(layer, ATTENTION_NAMES)
         if attn is None or shape.mixer is not None:  # a recurrent mixer (or Nemotron-H's one block)
-            attn = next((m for m in layer.modules() if _has_state(m)), None) or attn
+            attn = next((m for m in layer.modules() if keeps_state(m)), None) or attn
         mlp = _mlp(layer, attn)
         parts = {"attention_linears": [], "mlp_linears": [], "other_linears": []}
         expert_lora = False
@@ -488,12 +490,6 @@ def _with_adapters(s: Shapes, config) -> Shapes:
         per_layer.append(dataclasses.replace(shape, expert_lora=expert_lora,
                                              **{k: tuple(v) for k, v in parts.items()}))
     return dataclasses.replace(s, per_layer=tuple(per_layer), lora_sizes=sizes, model=None, _lora={})
-
-
-def _has_state(module: nn.Module) -> bool:
-    from fastgrpo.sampling.state import keeps_state
-
-    return keeps_state(module)
 
 
 def _is_adapter(module: nn.Module) -> bool:

@@ -19,6 +19,9 @@ appends the tokens `f` returns for it as a prefill continuation (turns.py): no t
 
 Hybrid models (Qwen3.5's Gated DeltaNet, Mamba-2, LFM2's convolutions beside attention): each sequence's recurrent
 state lives in a slot beside its pages (state.py), allocated, copied to a prompt's children and freed with them.
+
+Mixture-of-experts models: `generate(..., record_routes=True)` records the experts every position went through
+(routes.py); each Completion's `routes` [prompt + completion positions, MoE layers, k] is what the trainer replays.
 """
 
 import os
@@ -32,6 +35,7 @@ import torch
 
 from fastgrpo.kernels.sampling import fused_sample
 from fastgrpo.models import find_hf_model, stop_token_ids
+from fastgrpo.routing import RouteStep, routing_of
 from fastgrpo.sampling.attention import (
     ATTENTION_NAME,
     FEATURES,
@@ -48,6 +52,7 @@ from fastgrpo.sampling.kv_cache import KVCache
 from fastgrpo.sampling.layers import probe
 from fastgrpo.sampling.pages import PagePool, window_pool_pages
 from fastgrpo.sampling.params import EngineConfig, SamplingParams, check_int
+from fastgrpo.sampling.routes import RouteRecords
 from fastgrpo.sampling.sampler import SeenTokens, logit_floor, penalized, sample
 from fastgrpo.sampling.scheduler import Scheduler, Step
 from fastgrpo.sampling.sequence import Group, Sequence
@@ -78,6 +83,9 @@ class Completion:
     logprobs: list[float]  # per token: log-softmax of the processed logits it was sampled from; 0 for appended ones
     finish_reason: str  # "stop" (stop token or stop string) or "length"
     tool_mask: list[int]  # per token: 1 sampled, 0 appended by turn_end (TRL's tool_mask: 0 leaves the loss)
+    # record_routes (MoE): [prompt + completion positions, MoE layers, k] expert ids (routing.py; UNROUTED rows:
+    # positions never computed, as the last token)
+    routes: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -254,6 +262,7 @@ class Engine:
         reason = unsupported(self.hf_model) if self.config.fused_layers else "fused_layers=False"
         self.decoder = None if reason else FusedDecoder(self.hf_model, "triton" if self.fused_kernels else "torch")
         self.layers = "fused" if self.decoder else f"transformers ({reason})"
+        self.routing = routing_of(self.hf_model)  # an MoE's routers (routing.py), None otherwise
         self.stats = GenerateStats()
         self._stop_candidates: dict[tuple, torch.Tensor] = {}  # (tokenizer, stop strings) -> [V] bool
 
@@ -298,7 +307,7 @@ class Engine:
         self, prompt_token_ids: list[list[int]], n: int = 1, params: SamplingParams | None = None,
         group_ids: list[int] | None = None, *, first_columns: list[int] | None = None,
         turn_end: TurnEnd | None = None, turn_batch: int = 1, admit: int | None = None,
-        group_done: GroupDone | None = None,
+        group_done: GroupDone | None = None, record_routes: bool | None = None,
     ) -> list[list[Completion] | None]:
         """G = n completions of each prompt. With a seed, completion j of prompt i draws its k-th token from random
         stream group_ids[i] * n + j (default group_ids: 0, 1, ...) at column first_columns[i] + k (default 0 + k):
@@ -317,7 +326,11 @@ class Engine:
         wait); `group_done(index, completions)` is called as each group finishes and returns how many more groups
         may start (0 or more), or None to stop the call: the groups still running are dropped, their pages freed.
         A group that did not finish (dropped, or never started) is None in the result. Each group's tokens are the
-        same as in a call without these (its random stream is its own)."""
+        same as in a call without these (its random stream is its own).
+
+        record_routes (mixture-of-experts models; None: EngineConfig.record_routes): each Completion carries the
+        experts every position of its prompt and completion was routed through (routes.py); CUDA graphs are off for
+        the call."""
         params = SamplingParams() if params is None else params
         self._check_inputs(prompt_token_ids, n, params)
         for name, values in (("group_ids", group_ids), ("first_columns", first_columns)):
@@ -333,6 +346,10 @@ class Engine:
             check_int("admit", admit, 0)
         if group_done is not None and not callable(group_done):
             raise TypeError(f"group_done must be a callable or None, got {type(group_done).__name__}")
+        record_routes = self.config.record_routes if record_routes is None else record_routes
+        if record_routes and (self.routing is None or not self.routing.can_record):
+            why = "has no mixture-of-experts router" if self.routing is None else self.routing.unsupported
+            raise ValueError(f"record_routes: {type(self.hf_model).__name__} {why}")
         start = time.perf_counter()
         groups = [Group(prompt=Sequence(list(prompt), len(prompt)), n=n, index=i)
                   for i, prompt in enumerate(prompt_token_ids)]  # fmt: skip
@@ -366,10 +383,13 @@ class Engine:
             kv_cache = KVCache(self.layer_model, [num_blocks, *window_blocks.values()], pool.block_size,
                                self.kv_dtype, self.device)  # fmt: skip
             state = RecurrentState(self.layer_model.states, state_slots, self.device) if state_slots else None
-            graphs = self._decode_graphs(kv_cache, max_blocks_per_seq)
+            routes = (RouteRecords(self.routing, groups, n, params.max_new_tokens, self.device) if record_routes
+                      else None)
+            # (a captured step would replay its first step's route rows: routes are recorded eagerly)
+            graphs = None if record_routes else self._decode_graphs(kv_cache, max_blocks_per_seq)
             while True:
                 if group_done is not None and scheduler.done_groups:  # (before `done`: it may grant more starts)
-                    self._report_groups(scheduler, outputs, group_done)
+                    self._report_groups(scheduler, outputs, group_done, routes)
                     continue
                 if scheduler.done:
                     break
@@ -388,12 +408,14 @@ class Engine:
                 targets = scheduler.sample_targets(step)
                 u = None if outputs.uniforms is None else outputs.uniforms[targets.seq_ids, targets.columns]
                 rows_seen = None if seen is None else seen(*targets)
-                tokens, logprobs = self._run(step, batch, kv_cache, params, u, graphs, rows_seen, state)
+                route_step = None if routes is None else routes.step(step, batch)
+                tokens, logprobs = self._run(step, batch, kv_cache, params, u, graphs, rows_seen, state, route_step)
                 scheduler.update(step, tokens, logprobs, targets, finish)
                 self._count_pages(pool)
                 self.stats.num_steps += 1
                 self.stats.num_forward_tokens += step.num_tokens
-            del kv_cache, graphs, state
+            done = [completions(group, outputs, routes) if group.done else None for group in groups]
+            del kv_cache, graphs, state, routes
             self._kv_scales = None
         self.stats.num_preemptions = scheduler.num_preemptions
         self.stats.leaked_blocks = pool.num_leaked
@@ -406,12 +428,13 @@ class Engine:
         self.stats.num_generated_tokens = sum(seq.num_generated for seq in seqs) - self.stats.num_appended_tokens
         self.stats.num_groups_started = scheduler.num_admitted
         self.stats.num_groups_finished = sum(group.done for group in groups)
-        return [completions(group, outputs) if group.done else None for group in groups]
+        return done
 
-    def _report_groups(self, scheduler: Scheduler, outputs: Outputs, group_done: GroupDone) -> None:
+    def _report_groups(self, scheduler: Scheduler, outputs: Outputs, group_done: GroupDone,
+                       routes: RouteRecords | None = None) -> None:
         """Hand each newly finished group to group_done; raise the admission limit by its answers, or stop."""
         for group in scheduler.take_done():
-            more = group_done(group.index, completions(group, outputs))
+            more = group_done(group.index, completions(group, outputs, routes))
             if more is None:
                 scheduler.abandon()
                 return
@@ -541,6 +564,8 @@ class Engine:
         """Paged attention, eval mode, no autograd; everything put back afterwards, even on error."""
         attn_implementation = self.hf_model.config._attn_implementation
         modes = [(module, module.training) for module in self.model.modules()]
+        if self.routing is not None:  # (routes a training forward replayed are not this call's)
+            self.routing.stop()
         self.hf_model.set_attn_implementation(ATTENTION_NAME)
         if self.hf_model.config._attn_implementation != ATTENTION_NAME:
             self.hf_model.set_attn_implementation(attn_implementation)
@@ -565,7 +590,8 @@ class Engine:
 
     # -- one forward --
 
-    def _run(self, step: Step, batch: DecodeBatch, kv_cache, params, u, graphs, seen=None, state=None):
+    def _run(self, step: Step, batch: DecodeBatch, kv_cache, params, u, graphs, seen=None, state=None,
+             routes: RouteStep | None = None):
         """Forward the step and sample with the rows' uniforms `u` [R] (None: greedy) and tokens so far `seen`
         [R, L] (repetition_penalty; else None): (tokens [R], logprobs [R]) on the device, the decode rows' first."""
         rows = batch.inputs() if step.num_rows else None
@@ -577,7 +603,7 @@ class Engine:
                             rows["context_lens"])  # fmt: skip
         if logits is None:
             row_slots = batch.state_slots[: step.num_rows] if rows is not None and state is not None else None
-            logits = self._eager_forward(rows, batch.max_context(), host, kv_cache, state, row_slots)
+            logits = self._eager_forward(rows, batch.max_context(), host, kv_cache, state, row_slots, routes)
         if host is not None and any(count > 1 for count in host.sample_counts):  # a first fork samples n tokens
             counts = torch.cat([torch.ones(step.num_rows, dtype=torch.long), torch.tensor(host.sample_counts)])
             logits = logits[torch.repeat_interleave(torch.arange(len(counts)), counts).to(self.device)]
@@ -598,9 +624,10 @@ class Engine:
 
     def _eager_forward(self, rows: dict | None, rows_max_context: int, host: HostBatch | None,
                        kv_cache: KVCache | torch.Tensor, state: RecurrentState | None = None,
-                       row_slots: torch.Tensor | None = None) -> torch.Tensor:  # [rows that sample, V]
+                       row_slots: torch.Tensor | None = None,
+                       routes: RouteStep | None = None) -> torch.Tensor:  # [rows that sample, V]
         """The step's logits; with `state`, the recurrent layers run from the rows' state slots `row_slots` [R] and
-        the host sequences' (host.state_slots)."""
+        the host sequences' (host.state_slots); with `routes`, the routers' choices are recorded there."""
         if isinstance(kv_cache, torch.Tensor):  # one [layers, 2, pages + 1, block_size, Hkv, D] tensor (the tracer's)
             kv_cache = KVCache.from_tensor(kv_cache, self.layer_model)
             if host is not None:
@@ -624,7 +651,10 @@ class Engine:
         if state is not None:
             segments = (host.query_lens, host.state_slots, host.fresh) if host else ([], [], [])
             states = StateStep(state, row_slots, *map(list, segments))
-        return self._forward(input_ids, positions, paged, keep, states)
+        if routes is None:
+            return self._forward(input_ids, positions, paged, keep, states)
+        with self.routing.recording(routes):
+            return self._forward(input_ids, positions, paged, keep, states)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, paged, keep: torch.Tensor | int = 0,
                  states: StateStep | None = None):
@@ -640,11 +670,14 @@ class Engine:
             ).logits[0]
 
 
-def completions(group: Group, outputs: Outputs) -> list[Completion]:
-    """A finished group's n completions."""
+def completions(group: Group, outputs: Outputs, routes: RouteRecords | None = None) -> list[Completion]:
+    """A finished group's n completions (with their routes when they were recorded)."""
     ids, lengths = [seq.seq_id for seq in group.children], [seq.num_generated for seq in group.children]
-    return [Completion(tokens, logprobs, seq.finish_reason, tool_mask(seq)) for seq, tokens, logprobs in
-            zip(group.children, outputs.token_lists(ids, lengths), outputs.logprob_lists(ids, lengths), strict=True)]
+    per_child = routes.of(group) if routes is not None else [None] * len(ids)
+    return [Completion(tokens, logprobs, seq.finish_reason, tool_mask(seq), child_routes)
+            for seq, tokens, logprobs, child_routes in zip(group.children, outputs.token_lists(ids, lengths),
+                                                          outputs.logprob_lists(ids, lengths), per_child,
+                                                          strict=True)]
 
 
 def tool_mask(seq: Sequence) -> list[int]:

@@ -83,6 +83,8 @@ class EngineConfig:
     kv_cache_dtype: "auto" (the model's dtype) or "fp8" (float8_e4m3fn pages, half of bf16's bytes, with one
         power-of-two scale per layer, K or V, and KV head, bounded from the weights: decode_layers.kv_scales). fp8
         needs a Llama/Qwen2/Qwen3 model and the torch or triton attention backend ("auto" then never picks flash).
+    record_routes: record the experts every position went through (mixture-of-experts models: Completion.routes,
+        what the trainer's routing replay uses; routes.py); `generate(record_routes=...)` overrides it per call.
     """
 
     block_size: int = 16
@@ -94,6 +96,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     fused_layers: bool = True
     kv_cache_dtype: str = "auto"
+    record_routes: bool = False
 
     def __post_init__(self):
         check_int("block_size", self.block_size, 1)

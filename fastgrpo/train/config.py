@@ -114,6 +114,11 @@ class TrainConfig:
     router_aux_loss_coef: float | None = option(
         None, "weight of a mixture-of-experts model's router load-balancing loss, added to the GRPO loss as TRL adds "
               "it; None: the model config's own (Qwen3-MoE 0.001, OLMoE 0.01); 0: none")
+    routing_replay: bool = option(
+        False, "mixture-of-experts models: route every token of the training forwards (old, reference and the loss) "
+               "through the experts the sampler chose for it (R3), the routing weights recomputed from the current "
+               "router at those experts; the routes the sampler recorded and the trainer's own choices are compared "
+               "(routing/mismatch) with it on or off. TRL has no such option")
     use_liger_kernel: bool = option(
         False, "swap in liger-kernel's RMSNorm, RoPE and SwiGLU kernels (needs liger-kernel)", aliases=("--liger",))
     trust_remote_code: bool = option(False, "allow model code from the hub")
@@ -466,6 +471,9 @@ class TrainConfig:
                              f"{self.max_tool_calling_iterations}")
         if self.tool_timeout is not None and not self.tool_timeout > 0:
             raise ValueError(f"tool_timeout must be None or > 0 seconds, got {self.tool_timeout!r}")
+        if self.routing_replay and self.rollout_func is not None:
+            raise ValueError("routing_replay replays the experts fastgrpo's engine recorded; rollout_func's rollouts "
+                             "carry none: drop one of the two")
         if self.rollout_func is not None and (self.tools or self.environment_factory is not None):
             given = "tools" if self.tools else "environment_factory"
             raise ValueError(f"{given} does not apply with rollout_func, which returns whole rollouts (fastgrpo's own "

@@ -1,10 +1,12 @@
-"""Mixture-of-experts models in training: the router's load-balancing loss (TRL's `router_aux_loss_coef`) and the
-experts' weights that LoRA can reach.
+"""Mixture-of-experts models in training: the router's load-balancing loss (TRL's `router_aux_loss_coef`), the
+experts' weights that LoRA can reach, and routing replay's checks and metrics (fastgrpo/routing.py).
 
 transformers 5 keeps an MoE layer's experts as fused 3-D parameters (`mlp.experts.gate_up_proj` [E, 2I, H] and
 `mlp.experts.down_proj` [E, H, I]; gpt-oss's transposed), not as nn.Linear modules, so peft's `all-linear` misses
 them and only its `target_parameters` reaches them.
 """
+
+import math
 
 import torch
 from transformers import PreTrainedModel
@@ -68,3 +70,31 @@ def expert_parameters(model: PreTrainedModel) -> list[str]:
         if suffix not in names:
             names.append(suffix)
     return names
+
+
+def check_routing_replay(config, routing, model: PreTrainedModel) -> None:
+    """routing_replay needs routers whose experts and weights the trainer can replay (fastgrpo/routing.py): one line
+    naming the model otherwise."""
+    if not config.routing_replay:
+        return
+    if routing is None:
+        raise ValueError(f"routing_replay: {type(model).__name__} is not a mixture-of-experts model with a router "
+                         "transformers records (_can_record_outputs['router_logits']): there are no routes to replay")
+    if routing.unsupported:
+        raise ValueError(f"routing_replay: {type(model).__name__}: {routing.unsupported}")
+
+
+def routing_metrics(counts: tuple[int, int], rollout, completions) -> dict[str, float]:
+    """What the old logprobs' pass measured against the sampler (routing/mismatch: the share of (token, MoE layer)
+    routes where the model's own top k differs from the one the sampler used, whether or not it was replayed), and
+    TRL's sampling/sampling_logp_difference of the sampled tokens (tool tokens excluded)."""
+    differ, compared = counts
+    metrics = {"routing/mismatch": differ / compared if compared else math.nan}
+    deltas = [(old - torch.tensor(c.logprobs, dtype=torch.float32)).abs()[torch.tensor(mask, dtype=torch.bool)]
+              for old, c, mask in zip(rollout.old_logps, completions, rollout.loss_mask, strict=True)]
+    delta = torch.cat(deltas) if deltas else torch.zeros(0)
+    delta = delta[~delta.isnan()]  # (a rollout_func's samples have no sampler logprobs)
+    if delta.numel():
+        metrics["sampling/sampling_logp_difference/mean"] = float(delta.mean())
+        metrics["sampling/sampling_logp_difference/max"] = float(delta.max())
+    return metrics

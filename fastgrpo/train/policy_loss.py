@@ -18,6 +18,7 @@ import torch
 from fastgrpo.loss import fused_grpo_loss, grpo_loss, token_logprobs
 from fastgrpo.loss_config import LossConfig
 from fastgrpo.models import find_hf_model
+from fastgrpo.routing import routing_of
 from fastgrpo.train.moe import load_balancing_loss
 
 # The metric `masked_grpo_loss` adds for the trainer, which pops it: [summed entropy, count] over the share's bonus
@@ -75,6 +76,21 @@ def completion_rows(hidden: torch.Tensor, starts: torch.Tensor, sequences: list[
     last = torch.tensor([len(s) for s in sequences]) - 1  # [B] the final token predicts nothing
     rows = starts[:, None] + torch.minimum(torch.tensor(prompt_lengths)[:, None] - 1 + offsets, last[:, None] - 1)
     return hidden[rows.to(hidden.device)]  # [B, T, H]
+
+
+def aligned_routes(routes: list[torch.Tensor], sequences: list[list[int]], packed: bool, unrouted: int
+                   ) -> torch.Tensor:
+    """Per sequence routes [L_i, layers, k] -> [tokens, layers, k] in backbone_forward's order (one packed row, or
+    right-padded rows with `unrouted` padding)."""
+    for route, sequence in zip(routes, sequences, strict=True):
+        assert len(route) == len(sequence), (len(route), len(sequence))
+    if packed:
+        return torch.cat(routes)
+    L = max(map(len, sequences))
+    out = routes[0].new_full((len(routes), L, *routes[0].shape[1:]), unrouted)  # [B, L, layers, k]
+    for row, route in zip(out, routes, strict=True):
+        row[: len(route)] = route
+    return out.flatten(0, 1)
 
 
 def lm_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -251,16 +267,33 @@ class PolicyLoss(torch.nn.Module):
     root: the embeddings, final norm and lm_head (tied or not) are whole inside both, so the fused head reads the full
     weight and FSDP reduce-scatters its gradient like any other; under DDP it is the module DDP wraps."""
 
-    def __init__(self, model: torch.nn.Module, packed: bool, head: dict, router_aux_loss_coef: float = 0.0):
+    def __init__(self, model: torch.nn.Module, packed: bool, head: dict, router_aux_loss_coef: float = 0.0,
+                 routing_replay: bool = False):
         super().__init__()
         self.model = model
         self.packed = packed
         self.head = head  # the model's logit transform {logit_scale, logit_softcap} (check_head)
         # An MoE's router load-balancing loss (moe.router_aux_loss_coef): forward returns it weighted, as ROUTER_LOSS
         self.router_aux_loss_coef = router_aux_loss_coef
+        # An MoE's routers (fastgrpo/routing.py): a micro-batch with the engine's routes replays them (routing_replay)
+        # or is compared with them; the routes stay set through the backward (a checkpointed layer's recompute)
+        self.routing = routing_of(model)
+        self.routing_replay = routing_replay
+
+    def route(self, mb) -> None:
+        """The routes of `mb`'s tokens for the forwards that follow, in backbone_forward's token order."""
+        if self.routing is None:
+            return
+        if mb.routes is None:
+            self.routing.stop()
+            return
+        device = find_hf_model(self.model).get_input_embeddings().weight.device
+        routes = aligned_routes(mb.routes, mb.sequences, self.packed, self.routing.sentinel)
+        self.routing.replay(routes.to(device, non_blocking=True), force=self.routing_replay)
 
     def hidden(self, mb) -> torch.Tensor:
         """The backbone's last hidden states that predict micro-batch `mb`'s completion tokens: [b, T, H]."""
+        self.route(mb)
         return completion_hidden(self.model, mb.sequences, mb.prompt_lengths, mb.mask.shape[1], self.packed)
 
     def loss(self, hidden: torch.Tensor, mb, config: LossConfig, num_items_in_batch: float | None = None,
@@ -292,6 +325,7 @@ class PolicyLoss(torch.nn.Module):
         if not self.router_aux_loss_coef:
             return self.loss(self.hidden(mb), mb, config, num_items_in_batch, masks)
         net = find_hf_model(self.model)
+        self.route(mb)
         output, starts, real = backbone_forward(self.model, mb.sequences, self.packed, output_router_logits=True)
         hidden = completion_rows(output.last_hidden_state, starts, mb.sequences, mb.prompt_lengths, mb.mask.shape[1])
         aux = load_balancing_loss(output.router_logits, net.config.get_text_config().num_experts_per_tok, real)

@@ -20,6 +20,9 @@ class Rollout:
     sampling_logps: list[torch.Tensor] | None = None  # [P*G][T_i] fp32: the sampler's (IS correction, off-policy mask)
     # The sampler's truncated IS correction: [P*G][T_i] per token, or [P*G] per sequence (None: off).
     importance_weights: list[torch.Tensor] | torch.Tensor | None = None
+    # The experts the engine routed each position through (MoE, routing.py): [P*G][prompt + T_i, MoE layers, k]
+    # (an entry None: a rollout_func's sample; the list None: no routes recorded)
+    routes: list[torch.Tensor | None] | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -123,6 +126,7 @@ class MicroBatch:
     old_logps: torch.Tensor | None  # [b, T]
     ref_logps: torch.Tensor | None  # [b, T]
     importance_weights: torch.Tensor | None  # [b, T] per token or [b] per sequence
+    routes: list[torch.Tensor] | None = None  # per sample [prompt + completion, MoE layers, k] (None: not recorded)
 
 
 def micro_batches(lengths: list[int], micro_batch_size: int, gradient_accumulation_steps: int,
@@ -167,4 +171,11 @@ def micro_batch(rollout: Rollout, index: list[int], device: torch.device) -> Mic
         importance_weights=(rollout.importance_weights[index].to(device)
                             if isinstance(rollout.importance_weights, torch.Tensor)
                             else logps(rollout.importance_weights)),
+        routes=_routes([rollout.routes[i] for i in index]) if rollout.routes is not None else None,
     )
+
+
+def _routes(per_sample: list[torch.Tensor | None]) -> list[torch.Tensor] | None:
+    """A micro-batch's routes when every sample has them (a rollout_func's have none: the whole micro-batch routes
+    itself)."""
+    return None if any(r is None for r in per_sample) else per_sample

@@ -91,7 +91,7 @@ from fastgrpo.train.logs import (
     reward_metrics,
     summary_line,
 )
-from fastgrpo.train.moe import router_aux_loss_coef
+from fastgrpo.train.moe import check_routing_replay, router_aux_loss_coef, routing_metrics
 from fastgrpo.train.plan import (
     check_kv_cache_blocks,
     describe_peak,
@@ -337,8 +337,14 @@ class Trainer:
         self.entropy_control = EntropyControl.of(config) if config.use_adaptive_entropy else None
         # The modules whose forward runs a micro-batch: the root that FSDP shards, or the module DDP wraps.
         self.policy = PolicyLoss(self.model, self.packed, self.head,
-                                 router_aux_loss_coef(config.router_aux_loss_coef, find_hf_model(self.model)))
-        self.reference = None if self.ref_model is None else PolicyLoss(self.ref_model, self.packed, self.head)
+                                 router_aux_loss_coef(config.router_aux_loss_coef, find_hf_model(self.model)),
+                                 config.routing_replay)
+        check_routing_replay(config, self.policy.routing, find_hf_model(self.model))
+        self.reference = None if self.ref_model is None else PolicyLoss(self.ref_model, self.packed, self.head,
+                                                                        routing_replay=config.routing_replay)
+        # An MoE sampled by the engine records its routes: replayed (routing_replay) or compared (routing/mismatch)
+        routing = self.policy.routing
+        record_routes = routing is not None and routing.can_record and self.rollout_func is None
         self.train_module = self._parallelize()
         # Under FSDP2 the layers keep FSDP's forward hooks while sampling (no-ops on unsharded weights, but they
         # touch streams, which a CUDA-graph capture does not allow): decode steps run eager there. The engine reads
@@ -346,7 +352,8 @@ class Trainer:
         with distributed.unsharded(self.policy):
             self.engine = Engine(self.model, tokenizer=self.tokenizer, block_size=config.block_size,
                                  num_blocks=config.kv_cache_blocks, memory_fraction=config.sampling_memory_fraction,
-                                 cuda_graphs=self.parallelism != "fsdp", kv_cache_dtype=config.kv_cache_dtype)
+                                 cuda_graphs=self.parallelism != "fsdp", kv_cache_dtype=config.kv_cache_dtype,
+                                 record_routes=record_routes)
 
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(config, self.parameters)
@@ -619,6 +626,7 @@ class Trainer:
             truncated=truncated, advantages=advantages,  # tool results (tool_mask 0) stay out of the loss
             loss_mask=[[0] * len(c.token_ids) if drop and cut[i] else list(c.tool_mask)
                        for i, c in enumerate(completions)],
+            routes=[c.routes for c in completions] if any(c.routes is not None for c in completions) else None,
         )  # fmt: skip
 
         # 3. no-grad logprobs
@@ -626,9 +634,12 @@ class Trainer:
             with self._phase("logprobs"):
                 rollout.ref_logps = self._reference_logprobs(rollout)
         correct = config.importance_sampling_correction
-        if correct or config.num_iterations > 1 or config.steps_per_generation > config.gradient_accumulation_steps:
+        routed = rollout.routes is not None  # (the old logprobs' pass measures the routes against the sampler's)
+        route_counts = None
+        if (correct or routed or config.num_iterations > 1
+                or config.steps_per_generation > config.gradient_accumulation_steps):
             with self._phase("logprobs"):
-                rollout.old_logps = self._logprobs(self.policy, rollout)
+                rollout.old_logps, route_counts = self._logprobs(self.policy, rollout)
         sampling_metrics = {}
         if correct or config.off_policy_mask_threshold is not None:
             # The sampler's logprobs, for the IS correction and the off-policy mask (which TRL measures from vLLM's
@@ -641,6 +652,8 @@ class Trainer:
             rollout.importance_weights, sampling_metrics = sampler_importance_weights(
                 rollout, config.importance_sampling_mode, config.importance_sampling_clip_min,
                 config.importance_sampling_clip_max)
+        if routed:
+            sampling_metrics = routing_metrics(route_counts, rollout, completions) | sampling_metrics
         timer.lap("reference")
         check_inputs(self.step, rollout, correct, self.rollout_func is not None, self._last_checkpoint)
 
@@ -803,6 +816,8 @@ class Trainer:
                  **{key: torch.stack(values).tolist() for key, values in metrics.items()}}
         merged = merge_metrics(world.gather((local, weights)), config.importance_sampling_level == "sequence")
         out = {key: nanmean(values) for key, values in merged.items()}
+        if self.policy.routing is not None:  # (the engine's calls leave routes alone; nothing else should replay)
+            self.policy.routing.stop()
         if coefficients:  # TRL's entropy_coef: the coefficient after each optimizer step (the same on every rank)
             out["entropy_coef"] = nanmean(coefficients)
         return out
@@ -825,10 +840,15 @@ class Trainer:
         return float(scale), config
 
     @torch.no_grad()
-    def _logprobs(self, module: torch.nn.Module, rollout: Rollout) -> list[torch.Tensor]:
-        """Per sample [T_i] fp32 logprobs of its completion under `module` (a PolicyLoss; eval mode, no grad).
-        Chunks of per_device_train_batch_size samples are dealt to the ranks in turn, then gathered."""
+    def _logprobs(self, module: torch.nn.Module, rollout: Rollout) -> tuple[list[torch.Tensor], tuple[int, int]]:
+        """Per sample [T_i] fp32 logprobs of its completion under `module` (a PolicyLoss; eval mode, no grad), and
+        (routes where the model's own experts differ from the sampler's, routes compared) over every rank (MoE with
+        the engine's routes; else (0, 0)). Chunks of per_device_train_batch_size samples are dealt to the ranks in
+        turn, then gathered."""
         was_training = module.training
+        routing = module.routing
+        if routing is not None:
+            routing.take_counts()  # (what earlier forwards counted is not this pass's)
         module.eval()
         size, K = self.config.per_device_train_batch_size, self.world.size
         starts = range(self.world.rank * size, len(rollout), size * K)
@@ -839,15 +859,20 @@ class Trainer:
             out |= {i: row[: len(rollout.completion_ids[i])].float().cpu() for row, i in zip(logps, mb.index,
                                                                                                  strict=True)}
         module.train(was_training)
-        for part in self.world.gather(out):  # one process: its own
+        counts = (0, 0)
+        if routing is not None:
+            counts = routing.take_counts()
+            routing.stop()
+        parts = self.world.gather((out, counts))  # one process: its own
+        for part, _ in parts:
             out |= part
-        return [out[i] for i in range(len(rollout))]
+        return [out[i] for i in range(len(rollout))], tuple(sum(c[k] for _, c in parts) for k in range(2))
 
     def _reference_logprobs(self, rollout: Rollout) -> list[torch.Tensor]:
         if self.reference is not None:
-            return self._logprobs(self.reference, rollout)
+            return self._logprobs(self.reference, rollout)[0]
         with self.model.disable_adapter():  # LoRA: the base model is the reference
-            return self._logprobs(self.policy, rollout)
+            return self._logprobs(self.policy, rollout)[0]
 
     def evaluate(self) -> float | None:
         """pass@1 on the held-out subset: share of prompts whose one completion the accuracy reward scores 1."""

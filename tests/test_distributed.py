@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from fastgrpo.train import TrainConfig, Trainer, checkpoint
 from fastgrpo.train.distributed import World
 from fastgrpo.train.logs import read_metrics
-from fastgrpo.train.trainer import merge_metrics
+from fastgrpo.train.update import merge_metrics
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ LAYERS = [
     ("fastgrpo.bench",),
     ("fastgrpo.train", "fastgrpo.integrations"),
     ("fastgrpo.loss", "fastgrpo.grpo_head", "fastgrpo.chunked", "fastgrpo.reference", "fastgrpo.sampling"),
-    ("fastgrpo.kernels", "fastgrpo.loss_config", "fastgrpo.models", "fastgrpo.memory", "fastgrpo.sizes"),
+    ("fastgrpo.kernels", "fastgrpo.loss_config", "fastgrpo.models", "fastgrpo.memory", "fastgrpo.sizes",
+     "fastgrpo.routing"),
 ]
 
 

@@ -36,6 +36,7 @@ from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES
 from fastgrpo.sampling import Engine, SamplingParams
 from fastgrpo.train import Trainer, arithmetic
 from fastgrpo.train import trainer as trainer_module
+from fastgrpo.train import update as update_module
 from fastgrpo.train.config import IMPORTANCE_SAMPLING_MODES
 from fastgrpo.train.loading import PLAIN_HEAD, check_head
 from fastgrpo.train.policy_loss import completion_hidden, lm_head
@@ -73,7 +74,7 @@ def one_step(config, monkeypatch, perturb: float = 0.0) -> dict:
     out = {"trainer": trainer, "gradients": [], "batches": [], "rollouts": [], "sampled": []}
     step = trainer.optimizer.step
     trainer.optimizer.step = lambda: out["gradients"].append([p.grad.clone() for p in trainer.parameters]) or step()
-    make_batch = trainer_module.micro_batch
+    make_batch = update_module.micro_batch
 
     def recording_micro_batch(*args):
         mb = make_batch(*args)
@@ -81,7 +82,7 @@ def one_step(config, monkeypatch, perturb: float = 0.0) -> dict:
             out["batches"].append(mb)
         return mb
 
-    monkeypatch.setattr(trainer_module, "micro_batch", recording_micro_batch)
+    monkeypatch.setattr(update_module, "micro_batch", recording_micro_batch)
     update = trainer._update
     trainer._update = lambda rollout: out["rollouts"].append(rollout) or update(rollout)
     generate, noise = trainer.engine.generate, torch.Generator().manual_seed(1)

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES, LossConfig
 from fastgrpo.train import Trainer
-from fastgrpo.train import trainer as trainer_module
+from fastgrpo.train import update as update_module
 from fastgrpo.train.logs import read_metrics
 from fastgrpo.train.policy_loss import BONUS_ENTROPY, EntropyControl, TokenMasks, masked_grpo_loss
 
@@ -262,7 +262,7 @@ def run(config, monkeypatch, perturb: float = 0.0) -> dict:
         return step()
 
     trainer.optimizer.step = recording_step
-    make_batch = trainer_module.micro_batch
+    make_batch = update_module.micro_batch
 
     def recording_micro_batch(rollout, index, device):
         mb = make_batch(rollout, index, device)
@@ -270,7 +270,7 @@ def run(config, monkeypatch, perturb: float = 0.0) -> dict:
             out["batches"].append((rollout, mb))
         return mb
 
-    monkeypatch.setattr(trainer_module, "micro_batch", recording_micro_batch)
+    monkeypatch.setattr(update_module, "micro_batch", recording_micro_batch)
     generate, noise = trainer.engine.generate, torch.Generator().manual_seed(1)
 
     def noisy(prompts, n=1, params=None, group_ids=None, **kwargs):

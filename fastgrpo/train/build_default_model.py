@@ -13,7 +13,9 @@ tokenizer_config.json says, and that class swaps in byte-level pre-tokenization 
 
 `--architecture qwen3_5` builds a tiny Qwen3.5 instead (hidden 128: 3 Gated DeltaNet layers and 1 gated-attention
 layer, 1.0M parameters), the hybrid the GRPO users of 2026 start from, warmed up the same way; it is not shipped
-(benchmarks/results/train-qwen3-5-tiny-*.md records a run from it).
+(benchmarks/results/train-qwen3-5-tiny-*.md records a run from it). `--architecture qwen3_moe` builds a tiny
+Qwen3-MoE (hidden 128, 2 layers of 8 experts of width 256, 2 a token, renormalised as Qwen3-30B-A3B's; 1.7M
+parameters, 0.6M active), for routing replay's comparison (benchmarks/results/routing-replay-*.md).
 
 Same arguments, same torch build: same weights (seeded init, seeded data order, the same 2 CPU threads).
 """
@@ -45,18 +47,26 @@ NUM_EVAL_PROBLEMS = 200
 MAX_NEW_TOKENS = 5
 
 
-ARCHITECTURES = ("llama", "qwen3_5")
+# architecture -> (model_type, its options beside the shared ones) of the ones built from transformers' configs
+OTHERS = {
+    "qwen3_5": ("qwen3_5_text", dict(intermediate_size=512, num_hidden_layers=4, num_key_value_heads=2,
+                                     layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+                                     linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)),
+    "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=2, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+                                    moe_intermediate_size=256, norm_topk_prob=True)),
+}
+ARCHITECTURES = ("llama", *OTHERS)
 
 
 def build_model(tokenizer: PreTrainedTokenizerBase, seed: int, architecture: str = "llama") -> PreTrainedModel:
-    """A freshly initialised tiny Llama (or Qwen3.5) whose generation config stops at <eos> and pads with <pad>."""
-    if architecture == "qwen3_5":
+    """A freshly initialised tiny Llama (or Qwen3.5, Qwen3-MoE) whose generation config stops at <eos> and pads with
+    <pad>."""
+    if architecture in OTHERS:
+        model_type, options = OTHERS[architecture]
         config = AutoConfig.for_model(
-            "qwen3_5_text", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-            layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-            linear_value_head_dim=32, max_position_embeddings=32, tie_word_embeddings=True,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+            model_type, vocab_size=len(tokenizer), hidden_size=128, num_attention_heads=4, head_dim=32,
+            max_position_embeddings=32, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **options,
         )  # fmt: skip
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

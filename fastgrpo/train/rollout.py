@@ -1,4 +1,14 @@
-"""One generation round's samples, their group advantages, and how they are cut into micro-batches."""
+"""One generation round's samples, their group advantages, and how they are cut into micro-batches.
+
+A completion carries, beside its tokens, one value per token of three kinds (the engine's Completion, or a
+rollout_func's fields); `rollout_of` takes them into the Rollout, `micro_batch` pads them to the micro-batch's layout:
+  tool_mask    1 sampled, 0 appended by a tool         -> loss_mask (0 also for every token of a cut completion with
+                                                          mask_truncated_completions): what enters the loss
+  logprobs     the sampler's, of the distribution it    -> sampling_logps: the IS correction, the off-policy mask
+               drew from (NaN: a rollout_func gave none)    (routing_metrics reads the completions' own)
+  routes       MoE: the experts each position went      -> routes: what the training forwards replay or compare
+               through, prompt positions first             (PolicyLoss.route, fastgrpo/routing.py)
+"""
 
 import math
 from dataclasses import dataclass
@@ -26,6 +36,28 @@ class Rollout:
 
     def __len__(self) -> int:
         return len(self.completion_ids)
+
+
+def rollout_of(completions: list, prompt_ids: list[list[int]], advantages: torch.Tensor, mask_truncated: bool,
+               sampler_logps: str | None = None) -> Rollout:
+    """The round's Rollout from its completions (prompt-major, prompt_ids per sample) and their advantages, every
+    per-token extra taken here. sampler_logps: "required" (the IS correction: kept, NaN or not, for check_inputs to
+    refuse), "if given" (the off-policy mask: kept unless a rollout_func gave none), or None (not kept)."""
+    truncated = torch.tensor([c.finish_reason == "length" for c in completions])
+    cut = truncated.tolist()
+    sampled = None
+    if sampler_logps is not None:
+        sampled = [torch.tensor(c.logprobs, dtype=torch.float32) for c in completions]
+        if sampler_logps == "if given" and any(bool(t.isnan().any()) for t in sampled):
+            sampled = None
+    return Rollout(
+        prompt_ids=prompt_ids, completion_ids=[c.token_ids for c in completions], truncated=truncated,
+        advantages=advantages,
+        loss_mask=[[0] * len(c.token_ids) if mask_truncated and cut[i] else list(c.tool_mask)
+                   for i, c in enumerate(completions)],
+        sampling_logps=sampled,
+        routes=[c.routes for c in completions] if any(c.routes is not None for c in completions) else None,
+    )  # fmt: skip
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> tuple[torch.Tensor, ...]:

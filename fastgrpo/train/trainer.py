@@ -14,6 +14,10 @@ Each step is one generation round:
                hidden states -> fastgrpo.loss.fused_grpo_loss -> backward; then clip, AdamW, LR schedule
   5. log, evaluate (pass@1 on held-out prompts), checkpoint
 
+The jobs live in their own modules, each a part of the Trainer: rounds.py (1, 2: sampling, tools, rollout_func,
+dynamic sampling, scoring), rollout.py (the round's samples and their per-token extras), update.py (3, 4: no-grad
+logprobs, the update), evaluation.py (pass@1); this module loads the run and drives the loop.
+
 Under torchrun every rank runs this loop on the same data order and seeds (fastgrpo.train.distributed): it samples
 and scores its slice of the round's prompt groups, the rollout is gathered, and each global micro-batch of
 K * per_device_train_batch_size samples is cut into K shares whose summed gradients are one process's.
@@ -24,7 +28,6 @@ entropy bonus (entropy_coef) is each micro-batch's mean token entropy divided by
 loss type. The head scores logits as the model's forward makes them (its logit scale or softcap, model.check_head).
 """
 
-import copy
 import dataclasses
 import datetime
 import gc
@@ -32,9 +35,8 @@ import math
 import sys
 import time
 import warnings
-import zlib
 from collections import defaultdict
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -44,15 +46,13 @@ from fastgrpo.chunked import chunk_size
 from fastgrpo.loss_config import TOKEN_NORMALISED_LOSS_TYPES, LossConfig
 from fastgrpo.memory import peak_memory, reset_peak_memory
 from fastgrpo.models import find_hf_model, stop_token_ids
-from fastgrpo.reference import RATIO_METRICS
-from fastgrpo.sampling import Completion, Engine, SamplingParams
+from fastgrpo.sampling import Engine
 from fastgrpo.sizes import GiB, parse_size
 from fastgrpo.train import checkpoint, distributed, run_config, run_dir
 from fastgrpo.train.agent import Agent
 from fastgrpo.train.config import TrainConfig, flag, train_dtype
 from fastgrpo.train.data import (
     PromptOrder,
-    Prompts,
     Rows,
     StreamedPrompts,
     StreamOrder,
@@ -63,11 +63,11 @@ from fastgrpo.train.data import (
     stream_rows,
 )
 from fastgrpo.train.distributed import RankFailed
+from fastgrpo.train.evaluation import Evaluation
 from fastgrpo.train.finite import (
     NonFiniteError,
     check_inputs,
     check_rewards,
-    check_step,
     check_weights,
     last_checkpoint_said,
 )
@@ -86,7 +86,6 @@ from fastgrpo.train.logs import (
     Progress,
     Timer,
     length_metrics,
-    nanmean,
     plot,
     reward_metrics,
     summary_line,
@@ -104,25 +103,16 @@ from fastgrpo.train.plan import (
 )
 from fastgrpo.train.policy_loss import EntropyControl, PolicyLoss
 from fastgrpo.train.quantization import bitsandbytes
-from fastgrpo.train.rewards import RewardError, Rewards, accuracy, completion_text, load_function
-from fastgrpo.train.rollout import (
-    Rollout,
-    decoupled_advantages,
-    group_advantages,
-    micro_batch,
-    micro_batches,
-    sampler_importance_weights,
-)
-from fastgrpo.train.rounds import RankRound, Sampled, dynamic_round
+from fastgrpo.train.rewards import RewardError, Rewards, load_function
+from fastgrpo.train.rollout import decoupled_advantages, group_advantages, rollout_of, sampler_importance_weights
+from fastgrpo.train.rounds import Rounds, seed_for
 from fastgrpo.train.run_dir import RunDir
 from fastgrpo.train.schedule import lr_scheduler
-from fastgrpo.train.tools import RolloutError, ToolChat, ToolCounts, check_rollout
+from fastgrpo.train.tools import RolloutError, ToolCounts
+from fastgrpo.train.update import Update
 
 PLAN_FILE = "memory_plan.txt"
 REFERENCE_FILE = "reference.safetensors"  # a checkpoint's reference model, with sync_ref_model
-# Dataset columns that do not reach reward functions as keywords (TRL's, and the keywords the trainer passes).
-RESERVED_REWARD_ARGS = ("prompt", "completion", "prompts", "completions", "completion_ids", "trainer_state",
-                        "log_extra", "log_metric", "environments")
 
 
 # Errors before the first step is done after which no run is left behind (Trainer._discard_unstarted_run); a failure
@@ -133,22 +123,6 @@ DISCARDED_BEFORE_A_STEP = ("RewardError", "RolloutError", "NonFiniteError")
 RESUME_FIXED = ("model_name_or_path", "use_peft", "lora_r", "lora_alpha", "lora_target_modules", "load_in_4bit",
                 "optim", "bf16", "sync_ref_model")
 
-
-def completion_messages(tokenizer, completion_ids: list[list[int]], prompt_ids: list[list[int]],
-                        conversational: bool) -> list:
-    """Completions without tools as reward functions get them, as TRL 1.16's _generate makes them: the decoded text
-    (special tokens dropped) for text prompts; for conversational ones one assistant message, parsed with the
-    tokenizer's response_template when it ships one (reasoning_content apart, the EOS dropped), else the text."""
-    if conversational and getattr(tokenizer, "response_template", None) is not None:
-        chat = ToolChat(tokenizer, tokenizer.response_template)
-        return [[chat.parse(ids, prompt, None)] for ids, prompt in zip(completion_ids, prompt_ids, strict=True)]
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    return [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-
-
-def seed_for(*key) -> int:
-    """A 32-bit seed that depends on `key` only (its repr), the same in every process and run."""
-    return zlib.crc32(repr(key).encode())
 
 
 def make_optimizer(config: TrainConfig, parameters: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -181,7 +155,7 @@ def _output_dir(config: TrainConfig) -> Path:
     return Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-class Trainer:
+class Trainer(Rounds, Update, Evaluation):
     def __init__(self, config: TrainConfig, device: str | torch.device | None = None):
         self.config = config
         self.world = distributed.current(config.ddp_timeout, join_alone=config.parallelism is not None)
@@ -492,99 +466,6 @@ class Trainer:
                 stack.enter_context(hook(name))
             yield
 
-    def _sample(self, data: Prompts, picked: list[int], n: int, params: SamplingParams,
-                first_group: int = 0) -> Sampled | None:
-        """This rank's slice of the prompt groups `picked` (indices into `data`), n completions each, sampled with
-        each group's own random stream (first_group + its index in `picked`), so that the round is the same for any
-        number of processes; None for a rank without a group. Through the engine, with the agent's tool loop when
-        there are tools or environments, or through the user's rollout_func."""
-        share = self.world.share(len(picked))
-        with distributed.unsharded(self.policy):  # FSDP2's all-gathers: every rank joins, even one without a group
-            if not share:  # more processes than prompts (a small held-out set)
-                return None
-            mine = [picked[i] for i in share]
-            streams = [first_group + i for i in share]
-            if self.rollout_func is not None:
-                return self._call_rollout_func(data, mine, n)
-            if self.agent is not None:
-                # reset(**row) gets every column, None where the row has none (as rows of a `datasets` table)
-                done = self.agent.generate(self.engine, [data.rows[i] for i in mine], [data.prompts[i] for i in mine],
-                                           [data.token_ids[i] for i in mine], streams, n, params)
-                columns = {} if done.environments is None else {"environments": done.environments}
-                return Sampled(done.groups, done.prompt_ids, done.prompts, done.messages, columns, done.counts)
-            groups = self.engine.generate([data.token_ids[i] for i in mine], n=n, params=params, group_ids=streams)
-        return self._plain_sampled(data, mine, groups)
-
-    def _plain_sampled(self, data: Prompts, mine: list[int], groups: list[list[Completion]]) -> Sampled:
-        """Engine groups of the prompts `mine` as reward functions get them (text, or one assistant message)."""
-        samples = [i for i in mine for _ in range(len(groups[0]))]
-        prompt_ids = [data.token_ids[i] for i in samples]
-        completions = completion_messages(self.tokenizer, [c.token_ids for group in groups for c in group], prompt_ids,
-                                          data.conversational)
-        return Sampled(groups, prompt_ids, [data.prompts[i] for i in samples], completions, {}, ToolCounts())
-
-    def _round(self, picked: list[int], params: SamplingParams, first_group: int = 0) -> list[RankRound]:
-        """The groups of train prompts `picked`, sampled (this rank's share) and scored, gathered to every rank in
-        group order. A rank that fails while sampling or scoring ends every rank with its error (World.together),
-        before any of them enters the gather."""
-        mine = None
-        with self.world.together("sampling and rewards"):
-            sampled = self._sample(self.train_prompts, picked, self.config.num_generations, params, first_group)
-            if sampled is not None:  # a process gets no group when a round has fewer groups than processes
-                samples = [picked[i] for i in self.world.share(len(picked))
-                           for _ in range(self.config.num_generations)]
-                per_func, rewards = self._score(samples, sampled)
-                mine = RankRound(sampled.groups, sampled.prompt_ids, sampled.prompts, sampled.tool_counts, per_func,
-                                 rewards,
-                                 self.engine.stats.num_preemptions if self.rollout_func is None else 0,
-                                 self.rewards.logged_metrics, self.rewards.logged_columns)
-        return [part for part in self.world.gather(mine) if part is not None]
-
-    def _dynamic_round(self, params: SamplingParams) -> tuple[list[int], list[RankRound], dict]:
-        """DAPO's dynamic sampling (rounds.dynamic_round). -> (the kept groups' prompts, the round as one RankRound,
-        metrics)."""
-        return dynamic_round(self, params)
-
-    def _call_rollout_func(self, data: Prompts, mine: list[int], n: int) -> Sampled:
-        """TRL's rollout_func(prompts, trainer) for the samples of prompts `mine` (n each, prompt-major); its
-        output checked (tools.check_rollout). Its env_mask is the tool mask; a completion that does not end in a
-        stop or pad token was cut ("length"), as TRL reads it; its other fields go to the reward functions."""
-        samples = [i for i in mine for _ in range(n)]
-        prompts = [copy.deepcopy(data.prompts[i]) for i in samples]
-        try:
-            output = self.rollout_func(prompts, self)
-        except Exception as e:
-            raise RewardError(f"rollout_func {self.config.rollout_func!r} raised {type(e).__name__}: {e}") from e
-        output = check_rollout(output, len(samples), len(self.tokenizer), self.config.max_completion_length,
-                               self.context_window)
-        ids, logprobs = output["completion_ids"], output["logprobs"]
-        if logprobs is None and self.config.importance_sampling_correction:
-            raise RolloutError("rollout_func returned logprobs None, but importance_sampling_correction needs the "
-                             "sampler's logprob of every completion token; return them, or turn the correction off")
-        ends = {*self.stop_token_ids, self.tokenizer.pad_token_id}
-        masks = output.get("env_mask") or [[1] * len(c) for c in ids]
-        completions = [Completion(c, [math.nan] * len(c) if logprobs is None else logprobs[k],
-                                  "stop" if c[-1] in ends else "length", masks[k]) for k, c in enumerate(ids)]
-        columns = {key: value if isinstance(value, list) else [value] * len(samples) for key, value in output.items()
-                   if key not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
-        return Sampled([completions[g * n : (g + 1) * n] for g in range(len(mine))], output["prompt_ids"], prompts,
-                       completion_messages(self.tokenizer, ids, output["prompt_ids"], data.conversational), columns,
-                       ToolCounts())
-
-    def _sampling_params(self, seed: int, evaluation: bool = False) -> SamplingParams:
-        """The sampler's options, generation_kwargs' overriding the config's (TRL's rule). Its temperature is the
-        training samples' only: the loss still divides by `temperature` (as TRL's does), and evaluation samples at
-        eval_temperature."""
-        config = self.config
-        options = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
-                       repetition_penalty=config.repetition_penalty)
-        options |= config.generation_kwargs or {}
-        if evaluation:
-            options["temperature"] = config.eval_temperature
-        options["min_p"] = options["min_p"] or 0.0  # TRL's None is off
-        return SamplingParams(**options, max_new_tokens=config.max_completion_length,
-                              stop_token_ids=self.stop_token_ids, seed=seed)
-
     def train_step(self) -> dict:
         config, G = self.config, self.config.num_generations
         reset_peak_memory(self.device)
@@ -618,22 +499,18 @@ class Trainer:
             advantages, _, flat = group_advantages(rewards, G, config.scale_rewards)
         if config.log_completions:
             self._log_completions(completion_ids, per_func, advantages, parts)
-        truncated = torch.tensor([c.finish_reason == "length" for c in completions])
-        drop = config.mask_truncated_completions
-        cut = truncated.tolist()
-        rollout = Rollout(
-            prompt_ids=[ids for part in parts for ids in part.prompt_ids], completion_ids=completion_ids,
-            truncated=truncated, advantages=advantages,  # tool results (tool_mask 0) stay out of the loss
-            loss_mask=[[0] * len(c.token_ids) if drop and cut[i] else list(c.tool_mask)
-                       for i, c in enumerate(completions)],
-            routes=[c.routes for c in completions] if any(c.routes is not None for c in completions) else None,
-        )  # fmt: skip
+        correct = config.importance_sampling_correction
+        # The sampler's logprobs: for the IS correction and the off-policy mask (which TRL measures from vLLM's
+        # logprobs: the drift of the updates and the sampler's mismatch both)
+        rollout = rollout_of(completions, [ids for part in parts for ids in part.prompt_ids], advantages,
+                             config.mask_truncated_completions,
+                             sampler_logps="required" if correct else
+                             "if given" if config.off_policy_mask_threshold is not None else None)  # fmt: skip
 
         # 3. no-grad logprobs
         if config.beta != 0:
             with self._phase("logprobs"):
                 rollout.ref_logps = self._reference_logprobs(rollout)
-        correct = config.importance_sampling_correction
         routed = rollout.routes is not None  # (the old logprobs' pass measures the routes against the sampler's)
         route_counts = None
         if (correct or routed or config.num_iterations > 1
@@ -641,13 +518,6 @@ class Trainer:
             with self._phase("logprobs"):
                 rollout.old_logps, route_counts = self._logprobs(self.policy, rollout)
         sampling_metrics = {}
-        if correct or config.off_policy_mask_threshold is not None:
-            # The sampler's logprobs, for the IS correction and the off-policy mask (which TRL measures from vLLM's
-            # logprobs: the drift of the updates and the sampler's mismatch both); a rollout_func without logprobs
-            # (NaN) leaves the mask the old ones
-            sampled = [torch.tensor(c.logprobs, dtype=torch.float32) for c in completions]
-            if correct or not any(bool(t.isnan().any()) for t in sampled):
-                rollout.sampling_logps = sampled
         if correct:
             rollout.importance_weights, sampling_metrics = sampler_importance_weights(
                 rollout, config.importance_sampling_mode, config.importance_sampling_clip_min,
@@ -664,6 +534,7 @@ class Trainer:
 
         # As TRL: a completion's length counts the tokens the model wrote (tool_mask 1), not the tools' results.
         lengths = torch.tensor([sum(c.tool_mask) for c in completions], dtype=torch.float32)
+        truncated = rollout.truncated
         self.num_tokens += int(lengths.sum()) + sum(len(p) for p in rollout.prompt_ids)
         tool_metrics = {}
         if self.agent is not None:
@@ -683,214 +554,6 @@ class Trainer:
             "peak_memory_gib": max(self.world.gather(peak_memory(self.device) / GiB)),  # the fullest process's
             **dynamic,  # (its frac_reward_zero_std counts the groups before filtering)
         }
-
-    def _score(self, samples: list[int], sampled: Sampled) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rewards of this rank's completions (`samples`: their train prompts' indices): (per function [n, F],
-        weighted total [n]). Reward functions get TRL's arguments: the prompts (after an environment's reset),
-        the completions (text, one assistant message, or with tools the assistant and tool messages), the dataset's
-        columns, the completions' token ids, a TrainerState, and the environments (environments=) or a
-        rollout_func's extra fields."""
-        data = self.train_prompts
-        completion_ids = [c.token_ids for group in sampled.groups for c in group]
-        # Every column of the data, None in rows without it (as a `datasets` table holds rows of different keys).
-        columns = {k: [data.rows[i][k] for i in samples] for k in data.rows[0]  # (prepare gave every row every key)
-                   if k not in RESERVED_REWARD_ARGS and k != self.config.prompt_column}
-        columns |= sampled.columns
-        per_round = self.optimizer_steps_per_round  # TrainerState counts optimizer steps, as TRL's does
-        state = None
-        if self.rewards.user_functions:  # the built-in rewards read no trainer_state (and it imports peft)
-            from transformers import TrainerState
-
-            state = TrainerState(global_step=(self.step - 1) * per_round, max_steps=self.config.max_steps * per_round,
-                                 epoch=self.order.epochs_done())
-        return self.rewards(sampled.prompts, sampled.completions, completion_ids, columns, state)
-
-    def _log_completions(self, completion_ids: list[list[int]], per_func: torch.Tensor, advantages: torch.Tensor,
-                         parts: list[RankRound]) -> None:
-        """completions.jsonl rows of this round (rank 0 writes): prompt, completion, each reward, the advantage, and
-        the columns the reward functions logged with log_extra (null for a rank's samples that logged none)."""
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        prompts = [prompt for part in parts for prompt in part.prompts]  # after an environment's reset
-        columns = {column for part in parts for column in part.logged_columns}
-        extra = {column: [] for column in columns}
-        for part in parts:
-            n = sum(len(group) for group in part.groups)
-            for column in columns:
-                extra[column].extend(part.logged_columns.get(column, [None] * n))
-        names = self.rewards.metric_names
-        self.log.log_completions(self.step, [
-            {"prompt": prompts[k], "completion": texts[k],
-             **{f"rewards/{name}": per_func[k, j].item() for j, name in enumerate(names)},
-             "advantage": advantages[k].item(), **{column: values[k] for column, values in extra.items()}}
-            for k in range(len(texts))])
-
-    def _update(self, rollout: Rollout) -> dict:
-        """num_iterations passes over the round. Each global micro-batch (per_device_train_batch_size * K samples
-        of the plan one process would make) is cut into K shares; rank r trains on share r with the loss scaled so
-        that the gradients, averaged over ranks by DDP / FSDP, are those of the whole micro-batch.
-
-        TRL's token masks (top_entropy_quantile, off_policy_mask_threshold) go to the loss as TokenMasks, with the
-        global micro-batch's share token counts: its entropy quantile and the bonus's token count are then what one
-        process computes on the whole micro-batch. Every micro-batch of an optimizer step applies the entropy
-        coefficient the step starts with: entropy_coef, or with use_adaptive_entropy `self.entropy_control`'s, which
-        the step's entropy over its bonus tokens (all micro-batches, all ranks: one exchange) then updates."""
-        from fastgrpo.train.policy_loss import BONUS_ENTROPY, ROUTER_LOSS, TokenMasks
-
-        config, world = self.config, self.world
-        self.train_module.train()
-        size, K = config.per_device_train_batch_size, world.size
-        lengths = [len(p) + len(c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids, strict=True)]
-        tokens = [sum(m) for m in rollout.loss_mask]  # loss tokens per sample
-        # TRL's dapo/cispo normaliser: the loss tokens of the round, spread over its optimizer steps.
-        num_items = sum(tokens) * config.gradient_accumulation_steps / config.steps_per_generation
-        token_normalised = config.loss_type in TOKEN_NORMALISED_LOSS_TYPES
-        control = self.entropy_control if config.use_adaptive_entropy else None
-        bonus = config.entropy_coef != 0.0 or control is not None  # TRL's _entropy_bonus_enabled: logs policy_loss
-        masked = config.top_entropy_quantile < 1.0 or config.off_policy_mask_threshold is not None
-        metrics, weights, losses, grad_norms, coefficients = defaultdict(list), [], [], [], []
-        for iteration in range(config.num_iterations):
-            shuffle = torch.Generator().manual_seed(self._seed("shuffle", iteration))
-            for step_batches in micro_batches(lengths, size * world.size, config.gradient_accumulation_steps,
-                                              shuffle):
-                step_options = self.loss_options
-                if control is not None:  # the coefficient of this step, scaled as model_loss_options scales it
-                    coef = control.applied()
-                    coef = coef / config.gradient_accumulation_steps if token_normalised else coef
-                    step_options = dataclasses.replace(step_options, entropy_coef=coef)
-                step_loss, window = 0.0, []  # window: per micro-batch [entropy sum, count] over its bonus tokens
-                for j, whole in enumerate(step_batches):
-                    index = whole[world.rank * size : (world.rank + 1) * size]
-                    mb = micro_batch(rollout, index, self.device)
-                    scale, options = self._share_scale(whole, index, tokens, step_options)
-                    masks = None
-                    if masked:  # the bonus is then the masks': this share's entropy over the global bonus tokens
-                        shares = tuple(sum(tokens[i] for i in whole[r * size : (r + 1) * size]) for r in range(K))
-                        sampled = None  # the sampler's logprobs
-                        if rollout.sampling_logps is not None and config.off_policy_mask_threshold is not None:
-                            sampled = torch.nn.utils.rnn.pad_sequence(
-                                [rollout.sampling_logps[i] for i in index], batch_first=True).to(self.device)  # [b, T]
-                        masks = TokenMasks(config.top_entropy_quantile, config.off_policy_mask_threshold,
-                                           step_options.entropy_coef * K / scale if scale else 0.0,
-                                           shares if K > 1 else (), sampled)
-                        options = dataclasses.replace(options, entropy_coef=0.0)
-                    last = j == len(step_batches) - 1
-                    with nullcontext() if last or self.parallelism != "ddp" else self.train_module.no_sync():
-                        loss, micro_metrics = self.train_module(
-                            mb, options, num_items if token_normalised else None, masks)
-                        entropy = micro_metrics.pop(BONUS_ENTROPY, None)
-                        router = micro_metrics.pop(ROUTER_LOSS, None)  # an MoE's coef x load-balancing loss
-                        policy = micro_metrics.pop("policy_loss", None)
-                        if bonus:  # TRL's policy_loss: the loss before the bonus
-                            if policy is None:
-                                policy = loss + options.entropy_coef * micro_metrics["entropy"]
-                            micro_metrics["policy_loss"] = policy * (scale / world.size)
-                        if not token_normalised:
-                            loss = loss / config.gradient_accumulation_steps
-                        loss = loss * scale
-                        if router is not None:  # TRL's: / accumulation steps, each process's own (DDP averages them)
-                            loss = loss + router / config.gradient_accumulation_steps
-                        loss.backward()
-                    step_loss = step_loss + loss.detach() / world.size
-                    for key, value in micro_metrics.items():
-                        metrics[key].append(value.detach())
-                    weights.append((sum(tokens[i] for i in index), len(index)))
-                    if control is not None:
-                        if entropy is None:  # the fused loss: the bonus tokens are the loss tokens
-                            n = micro_metrics["entropy"].new_tensor(float(sum(tokens[i] for i in index)))
-                            entropy = torch.stack([micro_metrics["entropy"] * n, n])
-                        window.append(entropy.detach())
-                max_norm = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
-                grad_norms.append(distributed.full_tensor(torch.nn.utils.clip_grad_norm_(self.parameters, max_norm)))
-                check_step(self.step, step_loss, grad_norms[-1], world, self.model, self._last_checkpoint)
-                self.optimizer.step()
-                self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                losses.append(step_loss)
-                if control is not None:
-                    summed, count = map(sum, zip(*world.gather(torch.stack(window).sum(0).tolist()), strict=True))
-                    control.update(summed / max(count, 1.0))
-                if bonus:
-                    coefficients.append(config.entropy_coef if control is None else control.coef)
-        # One device sync (and with several processes one exchange) for all the metrics of the round.
-        local = {"loss": torch.stack(losses).tolist(), "grad_norm": torch.stack(grad_norms).tolist(),
-                 **{key: torch.stack(values).tolist() for key, values in metrics.items()}}
-        merged = merge_metrics(world.gather((local, weights)), config.importance_sampling_level == "sequence")
-        out = {key: nanmean(values) for key, values in merged.items()}
-        if self.policy.routing is not None:  # (the engine's calls leave routes alone; nothing else should replay)
-            self.policy.routing.stop()
-        if coefficients:  # TRL's entropy_coef: the coefficient after each optimizer step (the same on every rank)
-            out["entropy_coef"] = nanmean(coefficients)
-        return out
-
-    def _share_scale(self, whole: list[int], index: list[int], tokens: list[int],
-                     options: LossConfig | None = None) -> tuple[float, LossConfig]:
-        """(the factor on this rank's share of a global micro-batch, its loss options) such that the gradients,
-        averaged over K ranks, are those of one process's loss on the whole micro-batch (the loss type's
-        LossType.share_scale). The entropy bonus is a mean over the micro-batch's tokens: factor K * (share's
-        tokens) / (micro-batch's tokens), folded into its coefficient where the loss's factor differs. `options`:
-        the step's loss options (default the run's; use_adaptive_entropy changes the coefficient by step)."""
-        K = self.world.size
-        config = self.loss_options if options is None else options
-        if K == 1:
-            return 1.0, config
-        share = K * sum(tokens[i] for i in index) / max(sum(tokens[i] for i in whole), 1)
-        scale = config.kind.share_scale(K, share)
-        if config.entropy_coef != 0.0 and scale != 0.0 and share != scale:
-            config = dataclasses.replace(config, entropy_coef=config.entropy_coef * share / scale)
-        return float(scale), config
-
-    @torch.no_grad()
-    def _logprobs(self, module: torch.nn.Module, rollout: Rollout) -> tuple[list[torch.Tensor], tuple[int, int]]:
-        """Per sample [T_i] fp32 logprobs of its completion under `module` (a PolicyLoss; eval mode, no grad), and
-        (routes where the model's own experts differ from the sampler's, routes compared) over every rank (MoE with
-        the engine's routes; else (0, 0)). Chunks of per_device_train_batch_size samples are dealt to the ranks in
-        turn, then gathered."""
-        was_training = module.training
-        routing = module.routing
-        if routing is not None:
-            routing.take_counts()  # (what earlier forwards counted is not this pass's)
-        module.eval()
-        size, K = self.config.per_device_train_batch_size, self.world.size
-        starts = range(self.world.rank * size, len(rollout), size * K)
-        out = {}
-        for start in starts:
-            mb = micro_batch(rollout, list(range(start, min(start + size, len(rollout)))), self.device)
-            logps = module.logprobs(mb, temperature=self.config.temperature)  # [b, T]
-            out |= {i: row[: len(rollout.completion_ids[i])].float().cpu() for row, i in zip(logps, mb.index,
-                                                                                                 strict=True)}
-        module.train(was_training)
-        counts = (0, 0)
-        if routing is not None:
-            counts = routing.take_counts()
-            routing.stop()
-        parts = self.world.gather((out, counts))  # one process: its own
-        for part, _ in parts:
-            out |= part
-        return [out[i] for i in range(len(rollout))], tuple(sum(c[k] for _, c in parts) for k in range(2))
-
-    def _reference_logprobs(self, rollout: Rollout) -> list[torch.Tensor]:
-        if self.reference is not None:
-            return self._logprobs(self.reference, rollout)[0]
-        with self.model.disable_adapter():  # LoRA: the base model is the reference
-            return self._logprobs(self.policy, rollout)[0]
-
-    def evaluate(self) -> float | None:
-        """pass@1 on the held-out subset: share of prompts whose one completion the accuracy reward scores 1."""
-        if self.eval_prompts is None:
-            return None
-        config = self.config
-        params = self._sampling_params(seed_for("eval", config.seed), evaluation=True)
-        data = self.eval_prompts
-        with self.world.together("evaluation"):
-            n = config.num_generations_eval or 1
-            sampled = self._sample(data, list(range(len(data.rows))), n, params)
-            correct = 0.0
-            if sampled is not None:
-                share = self.world.share(len(data.rows))
-                answers = [data.rows[i][data.answer_column] for i in share for _ in range(n)]
-                texts = [completion_text(c) for c in sampled.completions]  # with tools: the last assistant turn
-                correct = sum(accuracy(sampled.prompts, texts, answers))
-        return sum(self.world.gather(correct)) / (len(self.eval_prompts.rows) * n)
 
     def _sync_reference(self, optimizer, args, kwargs) -> None:
         """sync_ref_model (TRL's SyncRefModelCallback): after every ref_model_sync_steps-th optimizer step of the
@@ -921,31 +584,3 @@ class Trainer:
         return checkpoint.save(self.output_dir, self.step, self.model, self.tokenizer, self.optimizer,
                                self.scheduler, state, self.config.save_total_limit, tensors)
 
-
-# Metrics of a micro-batch that are not a mean over its loss tokens: how the shares of a global micro-batch combine.
-SUMMED = ("loss", "policy_loss")  # already scaled per share
-SAME = ("grad_norm",)  # the same on every rank
-
-
-def merge_metrics(parts: list[tuple[dict, list]], sequence_level: bool) -> dict[str, list[float]]:
-    """Per rank (its metrics per micro-batch, (loss tokens, samples) per micro-batch) -> per global micro-batch the
-    value one process would log for it: loss terms summed over shares, minima and maxima over shares, means over
-    tokens (over samples for sequence-level ratios) weighted by the shares' counts. One rank: its own values."""
-    if len(parts) == 1:
-        return parts[0][0]
-    merged = {}
-    for key in parts[0][0]:
-        columns = list(zip(*(values[key] for values, _ in parts), strict=True))  # per micro-batch, per rank
-        if key in SAME:
-            merged[key] = [column[0] for column in columns]
-        elif key in SUMMED:
-            merged[key] = [sum(column) for column in columns]
-        elif key.endswith(("_min", "/min", "_max", "/max")):
-            pick = min if key.endswith(("_min", "/min")) else max
-            merged[key] = [pick((v for v in column if not math.isnan(v)), default=math.nan) for column in columns]
-        else:
-            k = 1 if sequence_level and key in RATIO_METRICS else 0
-            counts = list(zip(*(weights for _, weights in parts), strict=True))  # per micro-batch, per rank
-            merged[key] = [sum(v * w[k] for v, w in zip(column, count, strict=True) if w[k]) /
-                           max(sum(w[k] for w in count), 1) for column, count in zip(columns, counts, strict=True)]
-    return merged

@@ -243,13 +243,19 @@ def _routing(net: torch.nn.Module) -> Routing | None:
         found = _probe(module, hidden)
         if isinstance(found, str):
             unsupported = f"{name} {found}"
-            routers.append(Router(module, layer, 0, 0, None))
+            # (a meta or fake model, as a memory trace builds: its routes are still recorded at their real size)
+            known = [getattr(module, name, None) for name in ("num_experts", "top_k")]
+            routers.append(Router(module, layer, *known, None) if found.startswith(FAKE) and all(known)
+                           else Router(module, layer, 0, 0, None))
             continue
         num_experts, top_k, rule = found
         if rule is None:
             unsupported = f"{name}'s routing weights are none of: " + "; ".join(r for r, _ in RULES)
         routers.append(Router(module, layer, num_experts, top_k, rule))
     return Routing(routers, route_dtype(max(r.num_experts for r in routers)), unsupported)
+
+
+FAKE = "has no values to probe (a meta or fake model)"
 
 
 @torch.no_grad()
@@ -279,6 +285,8 @@ def _probe(module: torch.nn.Module, hidden_size: int, tokens: int = 16):
         exact = [i for i, found in same if torch.equal(found, weights)]
         close = [i for i, found in same if torch.allclose(found.float(), weights.float(), rtol=1e-2, atol=1e-6)]
     except Exception as error:  # (a router that needs more than the states, or has no values to compare)
+        if weight.device.type == "meta" or type(weight).__name__ == "FakeTensor" or "Fake" in type(error).__name__:
+            return f"{FAKE} ({type(error).__name__})"
         return f"cannot be probed on random states ({type(error).__name__}: {error})"
     picked = (exact or close or [None])[0]  # (a rule that rounds as the router does, where one does)
     return logits.shape[-1], experts.shape[-1], None if picked is None else RULES[picked][1]

@@ -26,7 +26,8 @@ def test_fused_layer_moves_what_its_kernels_read_and_write(counts):
     rope = T * (q + 2 * kv) * 2 + 2 * T * D * 2 + T * q * 2 + T * 2 * kv * 2  # qkv, cos, sin in; q, K, V out
     silu = T * 2 * inner * 2 + T * inner * 2
     fused = counts[True]
-    assert fused["layer"] == {"gemm": fused["layer"]["gemm"], "fused": 2 * norm + rope + silu, "elementwise": 0}
+    assert fused["layer"] == {"gemm": fused["layer"]["gemm"], "experts": 0, "fused": 2 * norm + rope + silu,
+                              "elementwise": 0}
     assert fused["layer_ops"] == {"gemm": 4, "fused": 4, "elementwise": 0}
 
 

@@ -108,13 +108,18 @@ SWEEP = ["--reward-funcs", "accuracy", "length", "--beta", "0.04", "--gradient-c
 @pytest.mark.parametrize("family", TRAINED)
 def test_family_trains_three_steps_from_the_cli(tmp_path, family, lora):
     """`fastgrpo train` 3 steps with gradient checkpointing, full fine-tuning or LoRA (on the experts too, which needs
-    lora_dropout 0): every step's loss finite, and the weights it trains changed by the end."""
+    lora_dropout 0, and with routing replay): every step's loss finite, and the weights it trains changed by the
+    end."""
     model_type, extra = TRAINED[family]
     model = save_tiny_model(model_type, tmp_path / "model", **extra)
     options = []
     if lora:
         options = ["--use-peft", "--lora-r", "4", *(["--lora-dropout", "0"] if family in WITH_EXPERTS else [])]
+    if lora and family in WITH_EXPERTS:  # LoRA runs replay the sampler's routes (full runs only compare them)
+        options.append("--routing-replay")
     rows = train_from_cli(model, tmp_path / "run", *SWEEP, *options)
+    if family in WITH_EXPERTS:  # every step measures the trainer's routes against the sampler's (fp32: the same)
+        assert all(row["routing/mismatch"] == 0 for row in rows[1:])
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
     assert all(math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) for row in rows[1:])
     assert any(row["grad_norm"] > 0 for row in rows[1:])

@@ -208,3 +208,42 @@ def test_lora_dropout_with_experts_is_one_line(tmp_path, capsys):
     assert err.startswith("fastgrpo train: error: --lora-dropout 0.05: LoRA on the experts of GptOssForCausalLM "
                           "(--lora-experts, on by default: mlp.experts.gate_up_proj, mlp.experts.down_proj)"), err
     assert err.rstrip().endswith("set --lora-dropout to 0, or turn --lora-experts off to leave the experts frozen")
+
+
+# -- experts as grouped GEMMs --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", [*MOE, "qwen3_5_moe_text"])
+def test_grouped_gemm_experts_equal_the_eager_loop(family):
+    """transformers' grouped_mm experts (its default where torch has grouped_mm: the engine and the trainer run them)
+    against its eager loop over the experts, fp32: the logits of 3 right-padded sequences and every parameter's
+    gradient of a random projection of them."""
+    model = tiny_model(family)
+    assert model.config._experts_implementation == "grouped_mm"
+    ids, mask = padded([[3 + (5 * i + j) % 12 for i in range(n)] for j, n in enumerate((7, 12, 4))])
+    g = torch.randn(*ids.shape, model.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    results = {}
+    for implementation in ("grouped_mm", "eager"):
+        model.set_experts_implementation(implementation)
+        model.zero_grad()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        (logits * g * mask[..., None]).sum().backward()
+        results[implementation] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                     if p.grad is not None})
+    (grouped, grouped_grads), (eager, eager_grads) = results["grouped_mm"], results["eager"]
+    torch.testing.assert_close(grouped, eager, atol=1e-5, rtol=1e-5)
+    assert grouped_grads.keys() == eager_grads.keys() and any(".experts." in n for n in grouped_grads)
+    for name, grad in grouped_grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_the_trainer_runs_grouped_gemm_experts(tmp_path):
+    """A loaded MoE policy keeps transformers' grouped_mm experts (with LoRA on them too)."""
+    model = save_tiny_model("qwen3_moe", tmp_path / "qwen3_moe")
+    for lora in (False, True):
+        trainer = Trainer(TrainConfig(model_name_or_path=model, dataset_name="builtin", max_completion_length=4,
+                                      output_dir=str(tmp_path / f"run{lora}"), report_to=["none"], disable_tqdm=True,
+                                      use_peft=lora, lora_dropout=0.0))
+        net = trainer.engine.hf_model
+        assert net.config._experts_implementation == "grouped_mm"
+        trainer.folder.release(remove_new=True)

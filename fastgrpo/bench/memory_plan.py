@@ -254,6 +254,8 @@ def families(rows: list, record: dict, traces: bool = True, cells: tuple | None 
 
 CONFIGS_SAID = {
     "--families": "the published config.json (gpt-oss-20b; Gemma 3 12B's text model; Gemma 4 E2B's text model)",
+    "--moe": "the published config.json (Qwen3-30B-A3B, gpt-oss-20b: fastgrpo/bench/models/README.md); "
+             "--routing-replay on, its route records in the sampling phase",
     "--hybrids": "transformers' own default configs of Qwen3.5-9B and Qwen3.5-35B-A3B "
                  "(fastgrpo/bench/models/README.md); their Gated DeltaNet layers run transformers' PyTorch path, as "
                  "the plan counts them",
@@ -261,7 +263,7 @@ CONFIGS_SAID = {
 
 
 def families_report(rows: list, day: str, flag: str = "--families") -> str:
-    title = "The hybrids" if flag == "--hybrids" else "The 2026 families"
+    title = {"--hybrids": "The hybrids", "--moe": "Mixture-of-experts models"}.get(flag, "The 2026 families")
     lines = [f"# {title} on one GPU: plans and traces ({day}, torch {torch.__version__}, transformers "
              f"{transformers_version()}, CPU only: no GPU)", "",
              f"`fastgrpo bench memory-plan {flag}`: `fastgrpo plan --model-name-or-path "
@@ -363,6 +365,18 @@ HYBRID_CELLS = (
 )
 
 
+# Issue 40's MoE models with LoRA and routing replay (route records counted in the sampling phase): Qwen3-30B-A3B (48
+# layers of 128 experts of 768, 8 a token; fastgrpo/bench/models/qwen3-30b-a3b) and gpt-oss-20b. bitsandbytes'
+# 4-bit quantizes linear layers only: the fused 3-D experts stay bf16 (Qwen3-30B-A3B's 56 GiB of them).
+MOE_CELLS = (
+    ("qwen3-30b-a3b", dict(load_in_4bit=True, lora_dropout=0.0, routing_replay=True), 24, (1024,), True),
+    ("qwen3-30b-a3b", dict(load_in_4bit=True, lora_dropout=0.0, routing_replay=True), 80, (1024, 4096), False),
+    ("qwen3-30b-a3b", dict(load_in_4bit=True, lora_experts=False, routing_replay=True), 80, (8192,), False),
+    ("gpt-oss-20b", dict(load_in_4bit=True, lora_dropout=0.0, routing_replay=True), 24, (1024,), True),
+    ("gpt-oss-20b", dict(load_in_4bit=True, lora_dropout=0.0, routing_replay=True), 80, (4096,), False),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-traces", action="store_true", help="only the measured CPU runs")
     parser.add_argument("--long-reasoning", action="store_true",
@@ -371,8 +385,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                   "Gemma 3 12B, Gemma 4 E2B on 24 and 80 GiB")
     parser.add_argument("--hybrids", action="store_true", help="only the hybrids (issue 39): Qwen3.5-9B and "
                                                                  "Qwen3.5-35B-A3B on 24 and 80 GiB")
+    parser.add_argument("--moe", action="store_true", help="only the MoE models (issue 40): Qwen3-30B-A3B and "
+                                                            "gpt-oss-20b with LoRA and routing replay on 24 and 80 GiB")
     parser.add_argument("--no-long-traces", action="store_true",
-                        help="with --long-reasoning, --families or --hybrids: plans only")
+                        help="with --long-reasoning, --families, --hybrids or --moe: plans only")
     parser.add_argument("--out-dir", default="benchmarks/results", help="where the .json and .md results go")
 
 
@@ -380,8 +396,9 @@ def run(args: argparse.Namespace) -> list[tuple]:
     harness.check_out_dir(args.out_dir)
     rows, record = [], {}
     day = datetime.date.today().isoformat()
-    if args.families or args.hybrids:
-        cells, name = (HYBRID_CELLS, "hybrids") if args.hybrids else (FAMILY_CELLS, "families")
+    if args.families or args.hybrids or args.moe:
+        cells, name = ((HYBRID_CELLS, "hybrids") if args.hybrids else (MOE_CELLS, "moe") if args.moe
+                       else (FAMILY_CELLS, "families"))
         families(rows, record, traces=not args.no_long_traces, cells=cells)
         write(args.out_dir, f"memory-plan-{name}-{day}", families_report(rows, day, f"--{name}"), record)
         return rows

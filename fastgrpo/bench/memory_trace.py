@@ -546,6 +546,7 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
         weights           parameters, buffers and 4-bit quantization states (the LoRA weights among them)
         optimizer_states  AdamW's states after a step
         kv_cache          the pools, their scratch pages and the fp8 scales (kv_pools: each pool's pages)
+        recurrent_state   a hybrid's state slots; route_records an MoE's routes (sampling/routes.py)
         buffers           Outputs and DecodeBatch
         prefill, decode   the peak of each step (everything live counted)
         sampling          the larger of the two: the phase's peak
@@ -555,6 +556,8 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
     from fastgrpo.sampling.engine import Engine, HostBatch
     from fastgrpo.sampling.kv_cache import KVCache
     from fastgrpo.sampling.params import EngineConfig, SamplingParams
+    from fastgrpo.sampling.routes import RouteRecords
+    from fastgrpo.sampling.sequence import Group, Sequence
     from fastgrpo.train.plan import window_group_pages
 
     if kv_cache_dtype not in ("auto", "fp8"):
@@ -604,6 +607,12 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
             result["recurrent_state"] = live.current - before
             result["kv_pools"] = pools
             before = live.current
+            routes = None  # an MoE's route records, as the trainer's engine keeps them (record_routes)
+            if engine.routing is not None and engine.routing.can_record:
+                groups = [Group(prompt=Sequence([0] * T, T), n=G, index=i) for i in range(P)]
+                routes = RouteRecords(engine.routing, groups, G, completion_length, engine.device)
+            result["route_records"] = live.current - before
+            before = live.current
             outputs = Outputs(P * G, completion_length, engine.device, None if params.greedy else 0)
             batch = DecodeBatch(max(min(engine_config.max_num_seqs, engine_config.max_num_batched_tokens), G), width,
                                 block_size, engine.device, tables=lambda logical: [logical] * len(pools))
@@ -631,7 +640,7 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
                 engine._sample(logits, params, u, None)
                 del logits
             engine._kv_scales = None
-            del outputs, batch, kv_cache, state  # live through both steps, as in Engine.generate
+            del outputs, batch, kv_cache, state, routes  # live through both steps, as in Engine.generate
     result.update({name: live.peaks[name] for name in ("prefill", "decode")})
     result["sampling"] = max(result["prefill"], result["decode"])
     result["seconds"] = time.perf_counter() - start
@@ -640,7 +649,8 @@ def trace_sampling(model_config, *, kv_blocks: int, prompt_length: int = 512, co
 
 class BytesMoved(TorchDispatchMode):
     """Bytes each op reads and writes in device memory, summed by kind: "gemm" (mm, addmm, bmm: activations and
-    weights), "fused" (fastgrpo's custom ops: one kernel each) and "elementwise" (every other op), on real or fake
+    weights), "experts" (grouped GEMMs, an MoE's experts: every expert's weight counted, the most such a kernel
+    reads), "fused" (fastgrpo's custom ops: one kernel each) and "elementwise" (every other op), on real or fake
     tensors. An op moves its tensor arguments and results, with these exceptions: views, metadata and allocations
     move nothing; gathers and scatters (embedding, index, index_select, gather, index_put_) move the rows they
     touch, not the table; searchsorted reads log2(V) entries per row; fastgrpo::rope_store writes K/V into their
@@ -651,8 +661,8 @@ class BytesMoved(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.bytes: dict[str, int] = {"gemm": 0, "fused": 0, "elementwise": 0}
-        self.ops: dict[str, int] = {"gemm": 0, "fused": 0, "elementwise": 0}  # kernel launches (one per op)
+        self.bytes: dict[str, int] = {"gemm": 0, "experts": 0, "fused": 0, "elementwise": 0}
+        self.ops: dict[str, int] = {"gemm": 0, "experts": 0, "fused": 0, "elementwise": 0}  # launches (one per op)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -662,7 +672,8 @@ class BytesMoved(TorchDispatchMode):
             return out
         moved = self._moved(func, name, args, kwargs, out)
         kind = ("fused" if func.namespace == "fastgrpo" else
-                "gemm" if name in ("mm", "addmm", "bmm", "baddbmm") else "elementwise")
+                "gemm" if name in ("mm", "addmm", "bmm", "baddbmm") else
+                "experts" if name in ("_grouped_mm", "grouped_mm", "grouped_mm_fallback") else "elementwise")
         self.bytes[kind] += moved
         self.ops[kind] += 1
         return out

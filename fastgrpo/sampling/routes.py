@@ -9,6 +9,8 @@ every later token read and the routes handed to the trainer are one set. A compl
 reads, is never computed: its rows stay UNROUTED.
 """
 
+from itertools import accumulate
+
 import torch
 
 from fastgrpo.routing import RouteStep, Routing
@@ -20,7 +22,7 @@ from fastgrpo.sampling.sequence import Group, Sequence
 class RouteRecords:
     def __init__(self, routing: Routing, groups: list[Group], n: int, max_new_tokens: int, device: torch.device):
         lengths = [group.prompt.prompt_len for group in groups]
-        self.prompt_start = torch.tensor([0, *lengths]).cumsum(0).tolist()  # [groups + 1]
+        self.prompt_start = list(accumulate(lengths, initial=0))  # [groups + 1]
         self.base, self.width = self.prompt_start[-1], max_new_tokens
         rows = self.base + len(groups) * n * max_new_tokens
         self.records = torch.full((routing.num_layers, rows, routing.top_k), routing.sentinel, dtype=routing.dtype,

@@ -191,6 +191,16 @@ def recurrent_state_bytes(s: Shapes, rows: int, num_prompts: int, n: int) -> int
     return (slots_for(rows, num_prompts, n) + 1) * per_seq if per_seq else 0
 
 
+def route_record_bytes(s: Shapes, positions: int) -> int:
+    """The engine's route records (MoE: fastgrpo/sampling/routes.py): k expert ids per position and MoE layer, one
+    byte each (two past 254 experts), for `positions` (every prompt and completion position of a call)."""
+    routed = [layer for layer in s.per_layer if layer.experts]
+    if not routed:
+        return 0
+    itemsize = 1 if max(layer.experts for layer in routed) < 255 else 2
+    return positions * sum(layer.top_k for layer in routed) * itemsize
+
+
 def kv_block_bytes(s: Shapes, block_size: int, b: int) -> int:
     """One page of the logical pool: K and V of block_size tokens in every full-attention layer that keeps its own."""
     return page_bytes([layer for layer in s.per_layer if layer.window is None and not layer.kv_shared], block_size, b)
@@ -295,6 +305,9 @@ def plan_memory(config: TrainConfig, model_config=None, *, device_type: str = "c
     state = recurrent_state_bytes(s, rows, P, G)
     if state:
         sampling["recurrent state"] = state
+    routes = route_record_bytes(s, P * prompt + config.generation_batch_size * config.max_completion_length)
+    if routes:
+        sampling["route records"] = routes
 
     # no-grad logprobs (eval mode): the larger of two moments, never live together. The backbone at its last layer
     # (logprobs_forward_bytes); then, the backbone returned, the head: the rows completion_hidden gathers (the final

@@ -13,7 +13,7 @@ SUITES = {"loss": "fastgrpo.bench.loss", "sampling": "fastgrpo.bench.sampling", 
           "step": "fastgrpo.bench.step", "cpu-memory": "fastgrpo.bench.cpu_memory",
           "decode-bytes": "fastgrpo.bench.decode_bytes", "memory-plan": "fastgrpo.bench.memory_plan",
           "agent": "fastgrpo.bench.agent_rollout", "architectures": "fastgrpo.bench.architectures",
-          "windows": "fastgrpo.bench.windows"}
+          "windows": "fastgrpo.bench.windows", "routing-replay": "fastgrpo.bench.routing_replay"}
 DEFAULT_SUITE = "loss"
 
 

@@ -28,7 +28,7 @@ def test_fused_layer_moves_what_its_kernels_read_and_write(counts):
     fused = counts[True]
     assert fused["layer"] == {"gemm": fused["layer"]["gemm"], "experts": 0, "fused": 2 * norm + rope + silu,
                               "elementwise": 0}
-    assert fused["layer_ops"] == {"gemm": 4, "fused": 4, "elementwise": 0}
+    assert fused["layer_ops"] == {"gemm": 4, "experts": 0, "fused": 4, "elementwise": 0}
 
 
 def test_transformers_layer_moves_three_times_as_much(counts):
@@ -65,3 +65,20 @@ def test_a_recurrent_layer_steps_its_state_from_the_slots():
     attention = count_decode_bytes(MODELS / "qwen3.5-9b", fused=False, num_sequences=rows, context_length=40,
                                    layer_type="full_attention")
     assert attention["state_bytes"] == 0 and attention["attention_kv_bytes"] > 0
+
+
+def test_an_moe_layers_experts_are_counted_apart():
+    """Qwen3-30B-A3B's widths, 512 rows: the experts' grouped GEMMs are handed every expert's weights (the most they
+    read: 512 rows hit all 128 experts) and the rows' (token, expert) pairs; the least on paper is the experts the rows
+    hit, E (1 - (1 - k/E)^R): k of them for one row, all of them for 512."""
+    from test_memory_trace import qwen3_moe_30b_widths
+
+    from fastgrpo.bench.decode_bytes import experts_hit
+
+    counted = count_decode_bytes(qwen3_moe_30b_widths(), fused=False, num_sequences=512, context_length=64)
+    weights = 128 * 3 * 2048 * 768 * 2  # gate, up and down of every expert, bf16
+    pairs = 512 * 8 * (2048 + 2 * 768 + 768 + 2048) * 2  # each pair's input, gate/up output, down input and output
+    assert counted["layer_ops"]["experts"] == 2
+    offsets = 2 * 128 * 4  # each GEMM's int32 group ends
+    assert counted["layer"]["experts"] == weights + pairs + offsets
+    assert experts_hit(128, 8, 1) == pytest.approx(8) and experts_hit(128, 8, 512) == pytest.approx(128, rel=1e-9)

@@ -463,3 +463,23 @@ def test_a_hybrid_samples_with_the_recurrent_state_the_plan_counts():
     slots = 32 + 4  # 32 rows (4 prompts x 8), and the 4 groups' prompts (all of them: 32 / 8 + 1 > 4)
     assert trace["recurrent_state"] == plan.phases["sampling"]["recurrent state"] == (slots + 1) * per_seq
     assert trace["sampling"] <= plan.peak("sampling") <= 1.03 * trace["sampling"]
+
+
+def test_an_moe_samples_with_the_route_records_the_plan_counts():
+    """Qwen3-30B-A3B's widths, 2 layers of 128 experts, 8 a token: trace_sampling allocates the engine's route records
+    (a row of 8 uint8 expert ids per MoE layer for every prompt position of each group and every completion position
+    of each sample); the plan's "route records" is those bytes exactly."""
+    pytest.importorskip("peft")
+    from fastgrpo.bench.memory_trace import trace_sampling
+    from fastgrpo.train import TrainConfig
+    from fastgrpo.train.plan import model_shapes, plan_memory
+
+    model_config = qwen3_moe_30b_widths()
+    config = TrainConfig(model_name_or_path="qwen3-moe", dataset_name="builtin", use_peft=True, lora_dropout=0.0,
+                         num_generations=8, max_completion_length=1024, max_prompt_length=256,
+                         per_device_train_batch_size=2, gradient_accumulation_steps=8, bf16=True, routing_replay=True)
+    plan = plan_memory(config, shapes=model_shapes(model_config))
+    trace = trace_sampling(model_config, kv_blocks=plan.settings["kv_blocks"], prompt_length=256,
+                           completion_length=1024, num_generations=8, num_prompts=2, lora_dropout=0.0)
+    records = (2 * 256 + 16 * 1024) * 2 * 8  # positions x MoE layers x k, 1 byte each
+    assert trace["route_records"] == plan.phases["sampling"]["route records"] == records

@@ -367,7 +367,7 @@ HYBRID_CELLS = (
 
 # Issue 40's MoE models with LoRA and routing replay (route records counted in the sampling phase): Qwen3-30B-A3B (48
 # layers of 128 experts of 768, 8 a token; fastgrpo/bench/models/qwen3-30b-a3b) and gpt-oss-20b. bitsandbytes'
-# 4-bit quantizes linear layers only: the fused 3-D experts stay bf16 (Qwen3-30B-A3B's 56 GiB of them).
+# 4-bit quantizes linear layers only: the fused 3-D experts stay bf16 (Qwen3-30B-A3B's 54.0 GiB of them).
 MOE_CELLS = (
     ("qwen3-30b-a3b", dict(load_in_4bit=True, lora_dropout=0.0, routing_replay=True), 24, (1024,), True),
     ("qwen3-30b-a3b", dict(load_in_4bit=True, lora_dropout=0.0, routing_replay=True), 80, (1024, 4096), False),

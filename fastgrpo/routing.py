@@ -20,9 +20,13 @@ last token, padding): the trainer routes them itself.
 
 The weights at forced experts are the router's own rule, found by running the router once on random states and
 checking which of RULES reproduces its weights: softmax over all experts then the top k's (renormalised or not:
-Qwen-MoE, OLMoE, Mixtral), or a softmax over the top k's logits (gpt-oss). A router that returns no triple or whose
-weights no rule reproduces cannot be replayed (`Routing.unsupported` says why, in one line); its routes can still be
-recorded and compared (the mismatch metrics) when it returns a triple.
+Qwen-MoE, OLMoE, Mixtral), a softmax over the top k's logits (gpt-oss, Granite), DeepSeek-V3's sigmoid scores times
+routed_scaling_factor (Nemotron-H), Gemma 4's probabilities times each expert's scale. A router that returns no triple
+or whose weights no rule reproduces cannot be replayed (`Routing.unsupported` says why, in one line); its routes can
+still be recorded and compared (the mismatch metrics) when it returns a triple.
+
+Replay and comparison count, per router call, the routes whose own top k (as a set) differs from the recorded one
+(`take_counts`); a layer recomputed by checkpointing is counted once per `replay`.
 """
 
 import weakref

@@ -81,4 +81,4 @@ def test_fastgrpo_bench_lists_every_suite(capsys):
     text = capsys.readouterr().out
     assert all(name in text for name in SUITES)
     assert {"agent", "architectures", "cpu-memory", "decode-bytes", "memory-plan", "loss", "sampling", "trl",
-            "step", "windows"} == set(SUITES)
+            "step", "windows", "routing-replay"} == set(SUITES)

@@ -299,8 +299,8 @@ def test_sampling_trace_matches_the_plan(kv_cache_dtype):
 @pytest.mark.slow
 def test_qwen3_8b_at_32k_tokens_every_phase_traces_under_22_gib():
     """Issue 33: Qwen3-8B, 4-bit LoRA r 16, G 8, completions of 32768 tokens, auto-fit for a 24 GiB card (21.8 GiB for
-    tensors): the sampling phase (KV pool bf16 and fp8, as many pages as fit), the no-grad logprobs and the training
-    micro-batch at the setting auto-fit picks (2 x 33280 tokens, tiles of 16384), traced at real shapes (~30 s): each
+    tensors): the sampling phase (KV pool bf16 traced, fp8 planned: as many pages as fit), the no-grad logprobs and the
+    training micro-batch at the setting auto-fit picks (2 x 33280 tokens, tiles of 16384), traced at real shapes: each
     planned and traced under 22 GiB (the train peak 16.8 GiB, 18.5 without recompute_norms), sampling's plan within 3%
     of its trace (measured +0.01%) and the backward's within 1.5% (measured -0.11%)."""
     pytest.importorskip("bitsandbytes")
@@ -319,6 +319,9 @@ def test_qwen3_8b_at_32k_tokens_every_phase_traces_under_22_gib():
                              kv_cache_dtype=kv)
         plan = auto_fit(config, 24 * GiB, shapes)
         assert plan.settings["kv_blocks_least"] <= plan.settings["kv_blocks"] < plan.settings["kv_blocks_needed"]
+        if kv == "fp8":  # (planned only: its pages against their trace at 2 layers in test_sampling_trace_matches...)
+            assert plan.peak("sampling") < 22 * GiB
+            continue
         sampled = trace_sampling(model_config, kv_blocks=plan.settings["kv_blocks"], prompt_length=512,
                                  completion_length=32768, num_generations=8, num_prompts=1, kv_cache_dtype=kv,
                                  load_in_4bit=True, mlp_tile_tokens=plan.settings["mlp_tile_tokens"])

@@ -25,4 +25,4 @@ def test_the_benchmarks_model_configs_are_packaged():
     assert setuptools["package-data"]["fastgrpo.bench"] == ["models/*/config.json"]
     names = {p.parent.name for p in (ROOT / "fastgrpo" / "bench" / "models").glob("*/config.json")}
     assert names == {"qwen2.5-1.5b", "qwen2.5-7b", "llama-3.1-8b", "gpt-oss-20b", "gemma-3-12b", "gemma-4-e2b",
-                     "qwen3.5-9b", "qwen3.5-35b-a3b"}
+                     "qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3-30b-a3b"}

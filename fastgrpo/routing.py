@@ -248,7 +248,7 @@ def _routing(net: torch.nn.Module) -> Routing | None:
         if isinstance(found, str):
             unsupported = f"{name} {found}"
             # (a meta or fake model, as a memory trace builds: its routes are still recorded at their real size)
-            known = [getattr(module, name, None) for name in ("num_experts", "top_k")]
+            known = [getattr(module, attribute, None) for attribute in ("num_experts", "top_k")]
             routers.append(Router(module, layer, *known, None) if found.startswith(FAKE) and all(known)
                            else Router(module, layer, 0, 0, None))
             continue

@@ -27,7 +27,7 @@ Mixture-of-experts models: `generate(..., record_routes=True)` records the exper
 import os
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -651,9 +651,7 @@ class Engine:
         if state is not None:
             segments = (host.query_lens, host.state_slots, host.fresh) if host else ([], [], [])
             states = StateStep(state, row_slots, *map(list, segments))
-        if routes is None:
-            return self._forward(input_ids, positions, paged, keep, states)
-        with self.routing.recording(routes):
+        with nullcontext() if routes is None else self.routing.recording(routes):
             return self._forward(input_ids, positions, paged, keep, states)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, paged, keep: torch.Tensor | int = 0,

@@ -1,5 +1,5 @@
-"""`fastgrpo` command line: `fastgrpo train [options]`, `fastgrpo plan [options]`, `fastgrpo bench [<suite>]
-[options]`."""
+"""`fastgrpo` command line: `fastgrpo train [options]`, `fastgrpo plan [options]`, `fastgrpo check [options]`,
+`fastgrpo bench [<suite>] [options]`."""
 
 import argparse
 import importlib
@@ -36,6 +36,14 @@ def main(argv: list[str] | None = None) -> None:
                                description=train_cli.PLAN_DESCRIPTION,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     train_cli.add_plan_arguments(plan)
+    check = commands.add_parser("check", help="check fastgrpo on this machine: kernels, engine, loss, a train step, "
+                                "timings (PASS / FAIL, one results file)")
+    if argv[:1] == ["check"]:
+        from fastgrpo.check import command as check_command
+
+        check.description = check_command.__doc__
+        check.formatter_class = argparse.RawDescriptionHelpFormatter
+        check_command.add_arguments(check)
     bench = commands.add_parser("bench", help="run a benchmark suite: print a table, write .json and .md results",
                                 description=f"Without a suite: the {DEFAULT_SUITE} suite (`fastgrpo bench --quick` is "
                                             "its CPU quick mode).")
@@ -48,6 +56,10 @@ def main(argv: list[str] | None = None) -> None:
         train_cli.run(args, train)
     elif args.command == "plan":
         train_cli.run_plan(args, plan)
+    elif args.command == "check":
+        from fastgrpo.check import command as check_command
+
+        check_command.run(args)
     elif args.suite is None:
         main(["bench", DEFAULT_SUITE, *(["--quick"] if args.quick else [])])
     else:

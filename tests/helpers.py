@@ -8,30 +8,16 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from fastgrpo import reference
-
-# Allowed error of a fast path beyond the same-dtype torch reference's own error, relative to the value's scale.
-# fp32: both are ~1e-6 off float64; the kernels' different summation order adds a few ulps over V terms.
-# bf16: the fast paths keep fp32 logits where torch rounds them to bf16, so they are usually *closer* to float64.
-EXTRA_TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}
-
-
-def describe_mismatch(name, got, want, limit):
-    diff = (got.double() - want.double()).abs()
-    bad = (diff > limit).nonzero()[:5].tolist()
-    return (f"{name}: max err {diff.max().item():.3e}, mean err {diff.mean().item():.3e}, limit {limit:.3e}, "
-            f"first mismatches at {bad}: got {[got[tuple(i)].item() for i in bad]} want "
-            f"{[want[tuple(i)].item() for i in bad]}")
+from fastgrpo.check.tolerance import EXTRA_TOL, describe_mismatch, max_error, no_worse_limit  # noqa: F401
 
 
 def assert_no_worse(name, fast, same_dtype_ref, truth, dtype):
-    """The fast path's error vs float64 truth is at most the same-dtype reference's error plus EXTRA_TOL[dtype]."""
+    """The fast path's error vs float64 truth is at most the same-dtype reference's error plus EXTRA_TOL[dtype]
+    (fastgrpo.check.tolerance: the rule `fastgrpo check` applies on a GPU)."""
     assert fast.shape == truth.shape, f"{name}: shape {tuple(fast.shape)} != {tuple(truth.shape)}"
     assert torch.isfinite(fast).all(), f"{name}: non-finite values in the fast path"
-    scale = truth.double().abs().max().clamp(min=1.0).item()
-    ref_err = (same_dtype_ref.double() - truth.double()).abs().max().item()
-    limit = 1.5 * ref_err + EXTRA_TOL[dtype] * scale
-    err = (fast.double() - truth.double()).abs().max().item()
-    assert err <= limit, describe_mismatch(name, fast, truth, limit)
+    limit = no_worse_limit(same_dtype_ref, truth, dtype)
+    assert max_error(fast, truth) <= limit, describe_mismatch(name, fast, truth, limit)
 
 
 def assert_close(name, got, want, atol, rtol=0.0):

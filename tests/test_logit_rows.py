@@ -1,13 +1,13 @@
 """The row kernels over fp32 logits (fastgrpo/kernels/logit_rows.py), three ways: float64 autograd ground truth, the
 same math in fp32 torch, the kernels (under the interpreter on CPU, for real with CUDA)."""
 
-import math
 import os
 
 import pytest
 import torch
-from helpers import EXTRA_TOL, assert_close, assert_no_worse, describe_mismatch
+from helpers import assert_close, assert_no_worse, describe_mismatch
 
+from fastgrpo.check.tolerance import row_grad_limit, ulp
 from fastgrpo.kernels.logit_rows import STATS_TILE, logit_row_grad, logit_row_stats
 
 BLOCK_V = STATS_TILE[0]
@@ -43,17 +43,10 @@ def _reference(z, ids, g, h, softcap=None, scale=1.0, dtype=torch.float64):
 
 
 def _assert_grad(name, got, same, truth, lse, g, ids, scale):
-    """Kernel error <= 1.5x fp32 torch's + EXTRA_TOL, plus the error p = exp(z - lse) inherits from lse: lse is an fp32
-    scalar, off by up to 2^-24 |lse|, which is p's relative error (torch keeps the row max apart from log s and does
-    not pay it; it matters only for |lse| >> 1, e.g. 6e-4 relative at |lse| = 1e4)."""
+    """The kernel's gradient within fastgrpo.check.tolerance.row_grad_limit of the float64 truth."""
     got, g, ids = got.cpu(), g.cpu(), ids.cpu()
     assert torch.isfinite(got).all(), f"{name}: non-finite values"
-    onehot = torch.zeros_like(truth).scatter_(1, ids.clamp(0, truth.shape[1] - 1)[:, None], 1.0)
-    hit = (ids >= 0) & (ids < truth.shape[1])
-    soft = truth - onehot * (g.double() * scale * hit)[:, None]  # -scale p (g + h (log p + H)): what p's error scales
-    ref_err = (same.double() - truth).abs().max().item()
-    limit = (1.5 * ref_err + EXTRA_TOL[torch.float32] * truth.abs().max().clamp(min=1.0).item()
-             + 2.0 * 2**-24 * lse.double().abs().max().item() * soft.abs().max().item())
+    limit = row_grad_limit(same, truth, lse, g, ids, scale)
     assert (got.double() - truth).abs().max().item() <= limit, describe_mismatch(name, got, truth, limit)
 
 
@@ -133,14 +126,6 @@ def test_grad_in_place(C, V, softcap):
     assert torch.equal(base[:, V:], pad)
 
 
-def _ulp(x, dtype):
-    """The spacing of `dtype` at each value of x (float64), subnormals included."""
-    digits = {torch.bfloat16: 8, torch.float16: 11}[dtype]  # significand bits
-    e_min = int(math.log2(torch.finfo(dtype).tiny))  # the smallest normal is 2^e_min
-    _, exp = torch.frexp(x.double())  # |x| = mant 2^exp, mant in [0.5, 1): spacing 2^(exp - digits)
-    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), exp.clamp(min=e_min + 1) - digits)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("softcap", [None, SOFTCAP])
 def test_grad_low_precision_out(dtype, softcap):
@@ -161,7 +146,7 @@ def test_grad_low_precision_out(dtype, softcap):
         want = (truth.float().view(torch.int32) & -(2**16)).view(torch.float32).to(dtype)  # drop the low 16 bits
     else:
         want = truth.to(dtype)
-    limit = _ulp(truth, dtype) + 2**-20 * truth.abs()
+    limit = ulp(truth, dtype) + 2**-20 * truth.abs()
     bad = ((out.double() - truth).abs() > limit).nonzero()[:5].tolist()
     assert not bad, f"{dtype} grad off by more than one ulp at {bad}: {[(out[i, j], truth[i, j]) for i, j in bad]}"
     exact = (out == want).double().mean().item()

@@ -98,6 +98,7 @@ class GenerateStats:
     state_bytes: int = 0  # one sequence's recurrent state, all layers
     peak_pages: tuple[int, ...] = ()  # the most pages held at once: logical, then each window's
     num_steps: int = 0
+    num_graph_steps: int = 0  # decode steps replayed from a CUDA graph (CUDA, triton/flash backends)
     num_forward_tokens: int = 0  # tokens fed through the model, all steps
     num_generated_tokens: int = 0
     num_preemptions: int = 0
@@ -601,6 +602,7 @@ class Engine:
         if host is None and graphs is not None and not graphs.failed and step.num_rows <= self.config.max_num_seqs:
             logits = graphs(rows["input_ids"], rows["positions"], rows["slots"], rows["block_tables"],
                             rows["context_lens"])  # fmt: skip
+            self.stats.num_graph_steps += logits is not None
         if logits is None:
             row_slots = batch.state_slots[: step.num_rows] if rows is not None and state is not None else None
             logits = self._eager_forward(rows, batch.max_context(), host, kv_cache, state, row_slots, routes)

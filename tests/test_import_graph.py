@@ -1,5 +1,5 @@
 """fastgrpo's imports, read from the source (lazy imports inside functions included): no cycle, and one direction
-cli -> bench -> train, integrations -> loss, sampling -> kernels and the small shared modules."""
+cli -> check -> bench -> train, integrations -> loss, sampling -> kernels and the small shared modules."""
 
 import ast
 from pathlib import Path
@@ -8,6 +8,7 @@ PACKAGE = Path(__file__).parent.parent / "fastgrpo"
 # Each module's layer: a module may import from its own layer or a lower one, never a higher one.
 LAYERS = [
     ("fastgrpo.cli", "fastgrpo.__main__"),
+    ("fastgrpo.check",),
     ("fastgrpo.bench",),
     ("fastgrpo.train", "fastgrpo.integrations"),
     ("fastgrpo.loss", "fastgrpo.grpo_head", "fastgrpo.chunked", "fastgrpo.reference", "fastgrpo.sampling"),

@@ -7,8 +7,8 @@ PyTorch reference's plus a small share of the value's scale (fastgrpo/check/tole
 checks need Triton's interpreter (TRITON_INTERPRET=1: fp32, the CPU tests' small shapes); the rest runs on the CPU.
 
 Every check prints PASS, FAIL (with the worst error or the error's first line) or SKIP (with why); the run writes
-check-<device>-<date>.md and .json to --out-dir, which benchmarks/results/ takes as they are, and exits 1 when any
-check failed.
+check-<device>-<date>.md and .json to --out-dir (check-full-... with --full, check-interpreter-... under the
+interpreter), which benchmarks/results/ takes as they are, and exits 1 when any check failed.
 
     fastgrpo check                        # default --quick: a few minutes on one GPU
     fastgrpo check --full                 # the benchmarks at the sizes of their issues
@@ -263,4 +263,6 @@ def _write(out_dir: str, env: dict, results: list[Result], summary: str, mode: s
                   for r in results if r.section == section]
         lines.append("")
     rows = [{**{k: v for k, v in asdict(r).items() if k != "values"}, **r.values} for r in results]
-    return bench.write_results(out_dir, "check", flat, rows, "\n".join(lines))
+    # (named apart: a CPU's run under the interpreter, a --full run)
+    suite = "check" + ("-interpreter" if env["triton_interpreter"] else "") + ("-full" if mode == "full" else "")
+    return bench.write_results(out_dir, suite, flat, rows, "\n".join(lines))

@@ -148,6 +148,9 @@ def _torch_version() -> tuple[int, int]:
 # In-place fp32 addmm with bf16 operands (`torch.addmm(acc, a, b, out_dtype=fp32, out=acc)`) was wrong before
 # PyTorch 2.10 (pytorch/pytorch#154086); older versions add a separate fp32 product instead.
 INPLACE_FP32_ADDMM = _torch_version() >= (2, 10)
+# torch.compile traces it from 2.13 on (a decomposition of addmm.dtype_out); 2.10-2.12 register CUDA kernels only
+# (read in torch 2.11's sources, not run on a GPU), so a compiled graph takes the added product there.
+COMPILED_FP32_ADDMM = _torch_version() >= (2, 13)
 
 
 def mm_fp32(a, b_t, fp32_output: bool):
@@ -164,7 +167,7 @@ def addmm_fp32_(acc, a, b, inplace: bool = INPLACE_FP32_ADDMM):
     """acc += a @ b, acc fp32 (or fp64), a and b of the GEMM dtype (bf16 operands accumulate in fp32 on CUDA)."""
     if a.dtype == acc.dtype:
         return acc.addmm_(a, b)
-    if inplace:
+    if inplace and (COMPILED_FP32_ADDMM or not torch.compiler.is_compiling()):
         return torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     return acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
 

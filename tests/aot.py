@@ -25,6 +25,8 @@ ALIGNED_SIZES = ("H", "V", "width")
 # The builds need real JIT functions: this module runs as its own process, without TRITON_INTERPRET.
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _PTXAS = os.path.join(_BIN, "ptxas-blackwell")
+if not os.path.exists(_PTXAS):  # (triton < 3.6 ships one ptxas)
+    _PTXAS = os.path.join(_BIN, "ptxas")
 
 
 @dataclass

@@ -3,12 +3,16 @@ problem), a tokenizer, tiny model configs, a torch thread-count guard."""
 
 from contextlib import contextmanager
 
+import pytest
 import tokenizers
 import torch
+import transformers
+from packaging.version import Version
 from transformers import PreTrainedTokenizerFast
 
 from fastgrpo import reference
 from fastgrpo.check.tolerance import EXTRA_TOL, describe_mismatch, max_error, no_worse_limit  # noqa: F401
+from fastgrpo.sampling.state import HYBRID_TRANSFORMERS
 
 
 def assert_no_worse(name, fast, same_dtype_ref, truth, dtype):
@@ -88,3 +92,14 @@ def torch_threads(num: int):
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def skip_below_transformers(version: str, what: str) -> None:
+    """Skips the test under transformers older than `version`, which lack `what`."""
+    if Version(transformers.__version__) < Version(version):
+        pytest.skip(f"{what} needs transformers >= {version} ({transformers.__version__} is installed)")
+
+
+def skip_without_hybrid_state() -> None:
+    """Skips the test where the engine refuses hybrid models (fastgrpo/sampling/state.py: HYBRID_TRANSFORMERS)."""
+    skip_below_transformers(HYBRID_TRANSFORMERS, "the engine's recurrent state (hybrid models)")

@@ -4,6 +4,7 @@ fused layers' kernels move what their formulas say, and far less than transforme
 import json
 
 import pytest
+from helpers import skip_without_hybrid_state
 from transformers import AutoConfig
 
 from fastgrpo.bench import MODELS
@@ -56,6 +57,7 @@ def test_a_recurrent_layer_steps_its_state_from_the_slots():
     """Qwen3.5-9B's Gated DeltaNet layer at decode: no K/V; each row's state (32 heads x 128 x 128 fp32, and the
     convolution's last 4 inputs of 8192 channels in bf16) read and written at least once, which the counted path
     does (it moves more: transformers' PyTorch recurrent step passes over the state several times)."""
+    skip_without_hybrid_state()
     rows = 8
     c = count_decode_bytes(MODELS / "qwen3.5-9b", fused=False, num_sequences=rows, context_length=40,
                            layer_type="linear_attention")

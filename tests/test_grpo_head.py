@@ -220,6 +220,24 @@ def test_fp32_accumulation_of_bf16_products_both_branches(inplace):
     assert chunked.INPLACE_FP32_ADDMM == (tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 10))
 
 
+def test_a_compiled_graph_before_torch_2_13_adds_the_fp32_product(monkeypatch):
+    """torch 2.10-2.12 trace no addmm.dtype_out (no decomposition): under torch.compile the added product runs."""
+    def no_inplace_addmm(*args, **kwargs):
+        raise AssertionError("addmm with out_dtype traced")
+
+    monkeypatch.setattr(chunked, "COMPILED_FP32_ADDMM", False)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(torch, "addmm", no_inplace_addmm)
+    acc = torch.zeros(5, 3, device="meta")
+    out = chunked.addmm_fp32_(acc, torch.empty(5, 7, dtype=torch.bfloat16, device="meta"),
+                              torch.empty(7, 3, dtype=torch.bfloat16, device="meta"), inplace=True)
+    assert out is acc
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    with pytest.raises(AssertionError, match="traced"):  # eager: the in-place form
+        chunked.addmm_fp32_(acc, torch.empty(5, 7, dtype=torch.bfloat16, device="meta"),
+                            torch.empty(7, 3, dtype=torch.bfloat16, device="meta"), inplace=True)
+
+
 def test_bf16_cpu_path_no_worse_than_torch(monkeypatch):
     p = make_problem()
     rounded = {k: (v.to(torch.bfloat16).double() if k in ("hidden", "weight", "bias") else v) for k, v in p.items()}

@@ -10,6 +10,7 @@ rollouts whose parked sequences keep their state, and steps that mix decode rows
 import pytest
 import torch
 from family_helpers import HYBRIDS
+from helpers import skip_without_hybrid_state
 from sampling_helpers import (
     NO_STOP,
     TURN_STOPS,
@@ -33,6 +34,11 @@ PROMPT_LENGTHS = (1, 5, 19, 70)
 # Decode runs a recurrent layer's one-token form, the full forward its chunked form: they sum in other orders, and
 # fp32 logprobs of magnitude ~3 differ by up to 1.5e-4 (tiny Qwen3.5-MoE, 2026-11-28).
 LOGPROB_RTOL = 1e-4  # 70: past a Gated DeltaNet chunk (64) and many Mamba-2 chunks (8)
+
+
+@pytest.fixture(autouse=True)
+def _hybrid_state():
+    skip_without_hybrid_state()  # (older transformers' hybrids are refused, recurrent_gemma and rwkv otherwise)
 
 
 def build(family: str, seed: int = 0):

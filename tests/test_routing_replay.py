@@ -8,7 +8,8 @@ states differ by ~1e-2 and about 8% of the trainer's own routes differ from the 
 
 import pytest
 import torch
-from family_helpers import COMMON, FAMILIES, GEMMA4_MOE, save_tiny_model
+from family_helpers import COMMON, FAMILIES, GEMMA4_MOE, HYBRIDS, save_tiny_model
+from helpers import skip_without_hybrid_state
 from sampling_helpers import NO_STOP, TURN_STOPS, never_fed, tool
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -44,6 +45,8 @@ def build(family: str, seed: int = 0, **options):
 
 @pytest.fixture(scope="module", params=list(REPLAYED))
 def family(request):
+    if REPLAYED[request.param][0] in HYBRIDS:
+        skip_without_hybrid_state()
     return request.param, build(request.param)
 
 

@@ -79,8 +79,12 @@ def assert_same_gradients(got: dict, want: dict, atol: float, rtol: float) -> No
 
 def checkpointed(model, on: bool):
     """As load_policy checkpoints the decoder layers (non-reentrant)."""
-    if on:
-        hf(model).activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if on:  # (transformers < 5.23 names it gradient_checkpointing_enable)
+        net = hf(model)
+        if hasattr(net, "activation_checkpointing_enable"):
+            net.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -102,6 +102,8 @@ def _print_environment(env: dict, device: torch.device) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     for what, how in environment.choices(device, dtype):
         print(f"  {what}: {how}")
+    for note in environment.version_notes(env["packages"]):
+        print(f"  note: {note}")
 
 
 def _guarded(section: str, name: str, fn, **values) -> Result:
@@ -249,10 +251,12 @@ SECTION_RUNS = {"kernels": kernel_results, "engine": engine_results, "loss": los
 
 def _write(out_dir: str, env: dict, results: list[Result], summary: str, mode: str):
     from fastgrpo import bench
+    from fastgrpo.check import environment
     from fastgrpo.check.kernels import extra_tolerances
 
     flat = {key: value for key, value in env.items() if key != "packages"}
     flat["packages"] = ", ".join(f"{name} {version}" for name, version in env["packages"].items() if version)
+    flat["notes"] = "; ".join(environment.version_notes(env["packages"])) or None
     lines = [f"`fastgrpo check{' --full' if mode == 'full' else ''}`: {summary}.", "",
              "Kernels: worst error against the float64 reference; limit = 1.5 x the same-dtype PyTorch reference's "
              f"error + a share of the value's scale ({extra_tolerances()}). Timings: ratios of times measured in this "

@@ -52,6 +52,23 @@ def describe(device: torch.device) -> dict:
     return env
 
 
+# (package, below this version, what is missing) for the versions a GPU image may have: each a line of the report.
+VERSION_NOTES = (
+    ("transformers", "5.24", "the engine refuses hybrid models (Qwen3.5, Qwen3-Next, Nemotron-H, Granite-4.0-H, "
+                             "LFM2): their state modules use an older cache interface"),
+    ("transformers", "5.18", "GGUF files with an end-of-sequence token but no beginning-of-sequence one fail to load "
+                             "(transformers' ggml.py)"),
+    ("triton", "3.7", "Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) needs numpy < 2.4"),
+)
+
+
+def version_notes(found: dict[str, str | None]) -> list[str]:
+    from packaging.version import Version
+
+    return [f"{package} {found[package]} < {version}: {what}" for package, version, what in VERSION_NOTES
+            if found.get(package) and Version(found[package]) < Version(version)]
+
+
 def fp8_pages(device: torch.device) -> bool:
     """Whether the Triton kernels can read and write e4m3 KV pages here (CUDA compute capability 8.9+: Ada, Hopper,
     Blackwell)."""

@@ -11,11 +11,11 @@ two of TRL's methods are replaced:
                                        off_policy_mask_threshold), then TRL's gradient-accumulation scaling, entropy
                                        bonus (static or adaptive: TRL's controller and its state) and metrics
 
-Both read the final-norm hidden states from the (wrapped) model's own forward, `output_hidden_states=[-1]` with
-`logits_to_keep` an empty index, so the model produces no logits, and go through the lm_head weight without ever
-forming the [B, T, V] logits. The head runs in the weight's dtype with autocast off (as TRL's does with
-cast_lm_head_to_fp32; without it TRL's head runs under the trainer's autocast, e.g. in bf16 for fp32 weights with
-bf16=True, where fastgrpo's fp32 head is the more precise of the two).
+Both read the final-norm hidden states (the backbone's last_hidden_state, taken by a forward hook) from the (wrapped)
+model's own forward with `logits_to_keep` an empty index, so the model produces no logits, and go through the lm_head
+weight without ever forming the [B, T, V] logits. The head runs in the weight's dtype with autocast off (as TRL's
+does with cast_lm_head_to_fp32; without it TRL's head runs under the trainer's autocast, e.g. in bf16 for fp32
+weights with bf16=True, where fastgrpo's fp32 head is the more precise of the two).
 
 FSDP2 (GRPOConfig fsdp=True, fsdp_config={"version": 2, ...}: torch's `fully_shard`): the lm_head weight is read right
 after the model's forward, where FSDP2 has all-gathered it whole, and used in place: no second whole copy is made.
@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from fastgrpo.loss import LOGIT_TRANSFORMS, fused_grpo_loss, grpo_loss, head_transform, token_logprobs
 from fastgrpo.loss_config import LOSS_TYPES, TOKEN_NORMALISED_LOSS_TYPES, LossConfig
+from fastgrpo.models import find_hf_model
 
 # trl versions whose GRPOTrainer internals this module was written against and tested with (1.16.0).
 SUPPORTED_TRL = ">=1.16.0,<1.17"
@@ -211,10 +212,19 @@ class FastGRPOTrainer(GRPOTrainer):
         Calls the model itself (DDP / PEFT wrappers included); `logits_to_keep` = no position, so no logits are made.
         """
         no_positions = torch.empty(0, dtype=torch.long, device=input_ids.device)
-        with self.accelerator.autocast():
-            outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                            output_hidden_states=[-1], logits_to_keep=no_positions)
-        return outputs.hidden_states[-1][:, -num_completion - 1 : -1]  # position t predicts token t + 1
+        # The backbone's last_hidden_state, from a hook: output_hidden_states=[-1] selects it only in transformers
+        # >= 5.23 (5.17-5.22 read a list as layer indices without negatives and return None for -1; older ones keep
+        # every layer's output).
+        net = find_hf_model(model)
+        captured = []
+        hook = getattr(net, net.base_model_prefix).register_forward_hook(lambda m, a, out: captured.append(out[0]))
+        try:
+            with self.accelerator.autocast():
+                model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                      logits_to_keep=no_positions)
+        finally:
+            hook.remove()
+        return captured[-1][:, -num_completion - 1 : -1]  # position t predicts token t + 1
 
     def _token_logprobs(self, hidden, weight, bias, token_ids, valid):
         """logps, entropies [B, T] fp32 of token_ids [B, T] where valid [B, T]; 0 elsewhere, as TRL's fused head.

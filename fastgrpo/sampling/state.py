@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import transformers
+from packaging.version import Version
 
 # The cache methods a module's forward calls when it keeps recurrent state (transformers' names), and all those the
 # engine's view answers (_View).
@@ -39,6 +41,9 @@ STATE_METHODS = ("update_conv_state", "update_recurrent_state")
 VIEW_METHODS = frozenset({"get_conv_state", "get_recurrent_state", "is_recording_past", *STATE_METHODS})
 # The forward a state module must have for the engine to run it on its own segments: nothing per token but these.
 STATE_PARAMETERS = (["hidden_states", "cache"], ["hidden_states", "cache", "attention_mask"])
+# The first transformers whose state modules take `cache` and call only the methods above (5.21-5.23 take
+# cache_params; older ones ask has_previous_state and read the cache's layers).
+HYBRID_TRANSFORMERS = "5.24"
 _CACHE_CALL = re.compile(r"\b(?:cache|cache_params|past_key_values)\.(\w+)\(")
 _SOURCES: dict[type, tuple[str, frozenset[str]]] = {}  # class -> (forward's source, cache calls)
 
@@ -98,6 +103,9 @@ def unsupported(module: torch.nn.Module) -> str | None:
         return f"keeps state in transformers' cache ({', '.join(writes)}) that the engine does not keep"
     if not keeps_state(module):
         return None
+    if Version(transformers.__version__) < Version(HYBRID_TRANSFORMERS):  # (has_previous_state; cache_params=)
+        return (f"keeps its state through transformers {transformers.__version__}'s cache interface; the engine "
+                f"samples hybrid models with transformers >= {HYBRID_TRANSFORMERS}")
     asks = sorted(cache_calls(module) - VIEW_METHODS)
     if asks:
         return f"asks its cache for {', '.join(asks)}, which the engine's recurrent state does not answer"

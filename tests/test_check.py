@@ -109,7 +109,17 @@ def test_a_sampler_that_draws_another_token_fails(tmp_path, monkeypatch):
     assert "not at a cdf step between them" in failed[1]["detail"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_gpu_checks_pass(tmp_path):
+    """On a GPU: every kernel at real shapes, the engine (CUDA graphs, fused layers), a loss step, all PASS."""
+    code, rows = _check(tmp_path, "--only", "kernels", "engine", "loss")
+    assert code == 0, [r["detail"] for r in rows if r["status"] == "FAIL"]
+    assert {r["kernel"] for r in rows if r["status"] == "PASS" and "kernel" in r} == set(kernels.KERNELS)
+    assert any(r["name"] == "CUDA graphs captured and replayed" and r["status"] == "PASS" for r in rows)
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 def test_a_machine_without_cuda_runs_the_cpu_checks(tmp_path):
     """`python -m fastgrpo check` without CUDA and without the interpreter: one line says so, the kernels are skipped,
     the engine, a loss step and a `fastgrpo train` step pass, exit 0 (the timings: test_timings_are_ratios)."""

@@ -159,3 +159,18 @@ def test_cuda_only_options_are_refused_in_one_line(tmp_path):
         main(["check", "--device", "cuda", "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="--out-dir .* must be a folder"):
         main(["check", "--out-dir", str(Path(__file__))])
+
+
+def test_a_check_that_raises_fails_and_the_next_sections_run(tmp_path, monkeypatch, capsys):
+    from fastgrpo.check import end_to_end
+
+    def engine_checks(device):
+        yield "greedy = HF generate (fp32)", "6 prompts", True
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore lines")
+
+    monkeypatch.setattr(end_to_end, "engine_checks", engine_checks)
+    code, rows = _check(tmp_path, "--only", "engine", "loss")
+    assert code == "fastgrpo check: 1 of 3 checks failed: engine end to end"
+    assert [(r["section"], r["status"]) for r in rows] == [("engine", "PASS"), ("engine", "FAIL"), ("loss", "PASS")]
+    assert re.match(r"RuntimeError: CUDA error: an illegal memory access was encountered \(test_check\.py:\d+\)$",
+                    rows[1]["detail"])

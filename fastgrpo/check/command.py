@@ -112,12 +112,17 @@ def _guarded(section: str, name: str, fn, **values) -> Result:
     try:
         detail, passed, more = fn()
     except Exception as error:  # noqa: BLE001 (a check that raises failed; the next one still runs)
-        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        where = traceback.extract_tb(error.__traceback__)[-1]
-        detail = f"{type(error).__name__}: {message} ({os.path.basename(where.filename)}:{where.lineno})"
-        return Result(section, name, "FAIL", detail, time.perf_counter() - start, {**values, "error": detail})
+        return _failure(section, name, error, start, values)
     values.update(more, **({} if passed else {"error": detail}))
     return Result(section, name, "PASS" if passed else "FAIL", detail, time.perf_counter() - start, values)
+
+
+def _failure(section: str, name: str, error: Exception, start: float, values: dict) -> Result:
+    """A check that raised: FAIL with the exception's type, first line and where it was raised."""
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    where = traceback.extract_tb(error.__traceback__)[-1]
+    detail = f"{type(error).__name__}: {message} ({os.path.basename(where.filename)}:{where.lineno})"
+    return Result(section, name, "FAIL", detail, time.perf_counter() - start, {**values, "error": detail})
 
 
 # -- the sections: each yields its results as they finish --
@@ -150,17 +155,18 @@ def kernel_results(device: torch.device, mode: str) -> Iterator[Result]:
 def engine_results(device: torch.device, mode: str) -> Iterator[Result]:
     from fastgrpo.check import end_to_end
 
-    checks: list = []
-
-    def run_all():
-        checks.extend(end_to_end.engine_checks(device))
-        return "", True, {}
-
-    failed = _guarded("engine", "engine end to end", run_all)
-    if failed.status == "FAIL":
-        yield failed
-    for name, detail, ok in checks:
-        yield Result("engine", name, "PASS" if ok else "FAIL", detail, values={} if ok else {"error": detail})
+    checks = end_to_end.engine_checks(device)
+    while True:  # each check as it finishes; an exception ends the section with a FAIL
+        start = time.perf_counter()
+        try:
+            name, detail, ok = next(checks)
+        except StopIteration:
+            return
+        except Exception as error:  # noqa: BLE001
+            yield _failure("engine", "engine end to end", error, start, {})
+            return
+        yield Result("engine", name, "PASS" if ok else "FAIL", detail, time.perf_counter() - start,
+                     {} if ok else {"error": detail})
 
 
 def loss_results(device: torch.device, mode: str) -> Iterator[Result]:

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -50,14 +51,13 @@ def prompts(block_size: int, seed: int = 0, short: bool = False) -> list[list[in
     return [torch.randint(3, NUM_WORDS + 3, (n,), generator=g).tolist() for n in lengths]
 
 
-def engine_checks(device: torch.device) -> list[tuple[str, str, bool]]:
-    """(name, detail, passed) of the engine's checks."""
+def engine_checks(device: torch.device) -> Iterator[tuple[str, str, bool]]:
+    """(name, detail, passed) of the engine's checks, each as it finishes."""
     from fastgrpo.sampling import Engine, SamplingParams
 
     interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
     attention = "triton" if interpreted else "auto"  # the interpreter runs the kernels a GPU would
     new_tokens = NEW_TOKENS // 2 if interpreted else NEW_TOKENS
-    out = []
     model = tiny_model(device, torch.float32)
     engine = Engine(model, attention=attention)
     batch = prompts(engine.config.block_size, short=interpreted)
@@ -73,17 +73,15 @@ def engine_checks(device: torch.device) -> list[tuple[str, str, bool]]:
     detail = (f"{len(batch)} prompts x 2, {new_tokens} tokens, {where}" +
               (f", {stats.num_graph_steps} of {stats.num_steps} steps replayed CUDA graphs" if device.type == "cuda"
                else ""))
-    out.append(("greedy = HF generate (fp32)", detail if not wrong else f"differs at {', '.join(wrong)}; {detail}",
-                not wrong))
+    yield ("greedy = HF generate (fp32)", detail if not wrong else f"differs at {', '.join(wrong)}; {detail}",
+           not wrong)
     if device.type == "cuda" or interpreted:
-        fused = engine.layers == "fused" and engine.fused_kernels
-        out.append(("fused decode layers and sampler on", where, fused))
+        yield "fused decode layers and sampler on", where, engine.layers == "fused" and engine.fused_kernels
     if device.type == "cuda":
-        out.append(("CUDA graphs captured and replayed", f"{stats.num_graph_steps} of {stats.num_steps} steps",
-                    stats.num_graph_steps > 0))
+        yield ("CUDA graphs captured and replayed", f"{stats.num_graph_steps} of {stats.num_steps} steps",
+               stats.num_graph_steps > 0)
     for dtype in (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,):
-        out.append(_sampled_logprobs(device, dtype, attention, new_tokens, short=interpreted))
-    return out
+        yield _sampled_logprobs(device, dtype, attention, new_tokens, short=interpreted)
 
 
 def _hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:

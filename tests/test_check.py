@@ -174,3 +174,39 @@ def test_a_check_that_raises_fails_and_the_next_sections_run(tmp_path, monkeypat
     assert [(r["section"], r["status"]) for r in rows] == [("engine", "PASS"), ("engine", "FAIL"), ("loss", "PASS")]
     assert re.match(r"RuntimeError: CUDA error: an illegal memory access was encountered \(test_check\.py:\d+\)$",
                     rows[1]["detail"])
+
+
+def test_a_failed_cuda_context_skips_the_checks_of_this_process(monkeypatch):
+    """After an illegal access every CUDA call of the process fails: one FAIL names the check it followed, the
+    in-process sections say skipped, and the checks run in child processes still run."""
+    def poisoned(device=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", poisoned)
+    monkeypatch.setattr(command, "LOST", [])
+    lost = command._release(torch.device("cuda"), "paged_attention bf16 decode")
+    assert lost.status == "FAIL" and lost.name == "the CUDA context, after paged_attention bf16 decode"
+    assert lost.detail.startswith("RuntimeError: CUDA error: an illegal memory access was encountered")
+    for section in command.IN_PROCESS:
+        (skipped,) = command._section(section, torch.device("cuda"), "quick")
+        assert (skipped.status, skipped.detail) == ("SKIP", "the CUDA context failed after paged_attention bf16 decode")
+    assert command._release(torch.device("cuda"), "later") is None  # reported once
+
+
+def test_a_failing_peer_is_skipped_and_fastgrpos_failure_fails(monkeypatch):
+    row = dict(head="qwen2.5-1.5b", tokens=8192, dtype="bf16", mode="full", seconds=0.05, time_vs_floor=1.2)
+    rows = [{**row, "method": "fastgrpo", "time_vs_trl": 0.9}, {**row, "method": "floor"},
+            {**row, "method": "liger", "error": "OutOfMemoryError: CUDA out of memory"}]
+    monkeypatch.setattr(timings, "loss_rows", lambda device, plan: (rows, ["trl: skipped, trl is not installed"]))
+    monkeypatch.setattr(timings, "decode_step", lambda device, plan: 1 / 0)
+    monkeypatch.setattr(timings, "sampling_rows", lambda device, plan: [{"method": "fastgrpo", "error": "boom"}])
+    results = list(command.timing_results(torch.device("cpu"), "quick"))
+    assert [(r.name, r.status) for r in results] == [
+        ("loss and logprobs vs the 3-GEMM floor and TRL", "PASS"), ("loss timings' trl method", "SKIP"),
+        ("loss timings' liger method", "SKIP"), ("decode step vs its bytes floor", "FAIL"),
+        ("sampling tokens/s vs HF generate", "FAIL")]
+    assert results[0].detail == "loss step qwen2.5-1.5b N=8192 bf16: 50.00 ms, / floor 1.20, / TRL 0.90"
+    assert results[2].detail == "qwen2.5-1.5b N=8192 full: OutOfMemoryError: CUDA out of memory"
+    assert results[3].detail.startswith("ZeroDivisionError: division by zero")
+    rows[0]["error"] = "RuntimeError: Triton compile failed"
+    assert next(command.timing_results(torch.device("cpu"), "quick")).status == "FAIL"

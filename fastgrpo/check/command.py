@@ -16,6 +16,8 @@ interpreter), which benchmarks/results/ takes as they are, and exits 1 when any 
 """
 
 import argparse
+import gc
+import math
 import os
 import time
 import traceback
@@ -71,11 +73,13 @@ def run(args: argparse.Namespace) -> list[Result]:
         print("no CUDA device: the Triton kernels are not run (TRITON_INTERPRET=1 runs them in Triton's interpreter, "
               "fp32, small shapes); running the CPU checks")
     results: list[Result] = []
+    LOST.clear()
     for section in sections:
         print(f"{section}:", flush=True)
-        for result in SECTION_RUNS[section](device, mode):
+        for result in _section(section, device, mode):
             print(result.line(), flush=True)
             results.append(result)
+        _release(device)
     elapsed = time.perf_counter() - start
     failed = [r for r in results if r.status == "FAIL"]
     counts = {status: sum(r.status == status for r in results) for status in ("PASS", "FAIL", "SKIP")}
@@ -89,6 +93,46 @@ def run(args: argparse.Namespace) -> list[Result]:
     return results
 
 
+# The check after which this process's CUDA context failed (a kernel's illegal access poisons it): the checks that
+# would run in this process are skipped from then on; those in child processes (train, the timings' peers) run.
+LOST: list[str] = []
+IN_PROCESS = ("kernels", "engine", "loss")
+
+
+def _section(section: str, device: torch.device, mode: str) -> Iterator[Result]:
+    """The section's results; an exception outside its checks ends it with one FAIL, and the next section runs."""
+    if LOST and section in IN_PROCESS:
+        yield Result(section, section, "SKIP", f"the CUDA context failed after {LOST[0]}")
+        return
+    runs = SECTION_RUNS[section](device, mode)
+    while True:
+        start = time.perf_counter()
+        try:
+            result = next(runs)
+        except StopIteration:
+            return
+        except Exception as error:  # noqa: BLE001
+            yield _failure(section, f"{section} (the section stopped)", error, start, {})
+            return
+        yield result
+
+
+def _release(device: torch.device, after: str | None = None) -> Result | None:
+    """Free what the checks left cached (the child processes of later checks size their pools from free memory);
+    on a CUDA context that failed, a FAIL naming the check `after` it (and LOST set)."""
+    gc.collect()
+    if device.type != "cuda" or LOST:
+        return None
+    start = time.perf_counter()
+    try:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    except Exception as error:  # noqa: BLE001 (a failed context raises on every later call)
+        LOST.append(after or "the previous section")
+        return _failure("kernels", f"the CUDA context, after {LOST[0]}", error, start, {})
+    return None
+
+
 def _print_environment(env: dict, device: torch.device) -> None:
     from fastgrpo.check import environment
 
@@ -100,8 +144,11 @@ def _print_environment(env: dict, device: torch.device) -> None:
               + (", Triton's interpreter (TRITON_INTERPRET=1)" if env["triton_interpreter"] else ""))
     print("  " + ", ".join(f"{name} {version or '-'}" for name, version in env["packages"].items()))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    for what, how in environment.choices(device, dtype):
-        print(f"  {what}: {how}")
+    try:
+        for what, how in environment.choices(device, dtype):
+            print(f"  {what}: {how}")
+    except Exception as error:  # noqa: BLE001 (the checks below say more)
+        print(f"  note: the paths chosen could not be read: {type(error).__name__}: {str(error).strip()[:200]}")
     for note in environment.version_notes(env["packages"]):
         print(f"  note: {note}")
 
@@ -142,10 +189,13 @@ def kernel_results(device: torch.device, mode: str) -> Iterator[Result]:
         def measured(check=check):
             m = check()
             detail = f"worst error {m.error:.2e}, limit {m.limit:.2e}" + (f" {m.note}" if m.note else "")
-            return detail, m.error <= m.limit, {"worst_error": m.error, "limit": m.limit}
+            finite = math.isfinite(m.error)  # (JSON has no infinity)
+            return detail, m.error <= m.limit, {"worst_error": m.error if finite else None, "limit": m.limit}
         yield _guarded("kernels", f"{kernel} {case}", measured, kernel=kernel)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        lost = _release(device, f"{kernel} {case}")
+        if lost is not None:
+            yield lost
+            return
     if not fp8:
         why = "Triton's interpreter rounds fp32 -> e4m3 wrongly" if device.type == "cpu" else \
             "the GPU has no e4m3 conversions (compute capability < 8.9)"
@@ -201,7 +251,11 @@ def timing_results(device: torch.device, mode: str) -> Iterator[Result]:
     def loss():
         found, missing = timings.loss_rows(device, plan)
         skipped.extend(missing)
-        errors = [f"{r['method']} {r['head']} N={r['tokens']} {r['mode']}: {r['error']}" for r in found if "error" in r]
+        for r in found:  # a peer that fails (out of memory, a compile error) is not fastgrpo's failure
+            if "error" in r and r["method"] not in ("fastgrpo", "floor"):
+                skipped.append(f"{r['method']}: skipped, {r['head']} N={r['tokens']} {r['mode']}: {r['error']}")
+        errors = [f"{r['method']} {r['head']} N={r['tokens']} {r['mode']}: {r['error']}" for r in found
+                  if "error" in r and r["method"] in ("fastgrpo", "floor")]
         if errors:
             return "; ".join(errors), False, {"rows": found}
         lines = []
@@ -232,7 +286,10 @@ def timing_results(device: torch.device, mode: str) -> Iterator[Result]:
                       f"than the call of {plan.decode_steps + 1} ({row['short_call_s']:.3f} s): too noisy to time")
         return detail, row["step_ms"] > 0, row
 
-    yield _guarded("timings", "decode step vs its bytes floor", decode)
+    if LOST:  # (this process's CUDA context: the other timings run in child processes)
+        yield Result("timings", "decode step vs its bytes floor", "SKIP", f"the CUDA context failed after {LOST[0]}")
+    else:
+        yield _guarded("timings", "decode step vs its bytes floor", decode)
 
     def sampling():
         found = timings.sampling_rows(device, plan)

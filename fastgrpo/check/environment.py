@@ -47,6 +47,7 @@ def describe(device: torch.device) -> dict:
                    multiprocessors=props.multi_processor_count, cuda=torch.version.cuda, driver=driver_version())
     else:
         env.update(cpu_threads=torch.get_num_threads())
+    env["fp32_matmul_precision"] = torch.get_float32_matmul_precision()  # "highest": no TF32 in fp32 GEMMs
     env["triton_interpreter"] = os.environ.get("TRITON_INTERPRET") == "1"
     env["packages"] = versions()
     return env

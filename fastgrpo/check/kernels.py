@@ -307,7 +307,7 @@ def _add_rms_norm(device, sizes: Sizes, dtype, residual: bool) -> Measured:
 
 def _rope_store(device, sizes: Sizes, dtype, qk_norm: bool, fp8: bool) -> Measured:
     from fastgrpo.kernels import decode_ops
-    from fastgrpo.sampling.attention import FP8, quantize_kv
+    from fastgrpo.sampling.attention import FP8
     from fastgrpo.sampling.decode_layers import rotate_half
 
     g = _generator(device, 4)
@@ -340,13 +340,20 @@ def _rope_store(device, sizes: Sizes, dtype, qk_norm: bool, fp8: bool) -> Measur
                               *(scales or (None, None)))
     k_out, v_out = (c.flatten(0, 1)[slots] for c in caches)
     pairs = [_three_way(q, same[0], truth[0], dtype)]
-    if fp8:  # in the pages' units: k / k_scale
-        for out, s, t, scale in zip((k_out, v_out), same[1:], truth[1:], scales, strict=True):
-            pairs.append(_three_way(out.double(), quantize_kv(s, scale).double(), t / scale.double()[:, None],
-                                    torch.bfloat16))
+    if fp8:  # in the pages' units (k / k_scale): within half an e4m3 step (one rounding) + the bf16 input's error
+        for out, t, scale in zip((k_out, v_out), truth[1:], scales, strict=True):
+            t8 = t / scale.double()[:, None]
+            allowed = 0.5 * _e4m3_step(t8) + 2**-7 * t8.abs()
+            pairs.append((((out.double() - t8).abs() / allowed).max().item(), 1.0))
     else:
         pairs += [_three_way(k_out, same[1], truth[1], dtype), _three_way(v_out, same[2], truth[2], dtype)]
     return _worst(*pairs)
+
+
+def _e4m3_step(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of float8_e4m3fn at |x| (3 significand bits; subnormals below 2^-6 step by 2^-9)."""
+    _, exp = torch.frexp(x.abs().clamp(min=2**-6))  # |x| = m 2^exp, m in [0.5, 1): spacing 2^(exp - 1 - 3)
+    return torch.ldexp(torch.ones_like(x), exp - 4)
 
 
 def _silu_mul(device, sizes: Sizes, dtype) -> Measured:

@@ -44,6 +44,7 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     digits = {torch.bfloat16: 8, torch.float16: 11}[dtype]  # significand bits
     e_min = int(torch.tensor(torch.finfo(dtype).tiny).log2())  # the smallest normal is 2^e_min
     _, exp = torch.frexp(x.double())  # |x| = mant 2^exp, mant in [0.5, 1): spacing 2^(exp - digits)
+    exp = torch.where(x == 0, e_min + 1, exp)  # (frexp(0) has exponent 0; 0's neighbour is the smallest subnormal)
     return torch.ldexp(torch.ones_like(x, dtype=torch.float64), exp.clamp(min=e_min + 1) - digits)
 
 

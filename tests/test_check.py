@@ -184,13 +184,13 @@ def test_a_failed_cuda_context_skips_the_checks_of_this_process(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "synchronize", poisoned)
     monkeypatch.setattr(command, "LOST", [])
-    lost = command._release(torch.device("cuda"), "paged_attention bf16 decode")
+    lost = command._release(torch.device("cuda"), "kernels", "paged_attention bf16 decode")
     assert lost.status == "FAIL" and lost.name == "the CUDA context, after paged_attention bf16 decode"
     assert lost.detail.startswith("RuntimeError: CUDA error: an illegal memory access was encountered")
     for section in command.IN_PROCESS:
         (skipped,) = command._section(section, torch.device("cuda"), "quick")
         assert (skipped.status, skipped.detail) == ("SKIP", "the CUDA context failed after paged_attention bf16 decode")
-    assert command._release(torch.device("cuda"), "later") is None  # reported once
+    assert command._release(torch.device("cuda"), "kernels", "later") is None  # reported once
 
 
 def test_a_failing_peer_is_skipped_and_fastgrpos_failure_fails(monkeypatch):

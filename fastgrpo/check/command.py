@@ -79,7 +79,10 @@ def run(args: argparse.Namespace) -> list[Result]:
         for result in _section(section, device, mode):
             print(result.line(), flush=True)
             results.append(result)
-        _release(device)
+        lost = _release(device, section, f"the {section} section")
+        if lost is not None:
+            print(lost.line(), flush=True)
+            results.append(lost)
     elapsed = time.perf_counter() - start
     failed = [r for r in results if r.status == "FAIL"]
     counts = {status: sum(r.status == status for r in results) for status in ("PASS", "FAIL", "SKIP")}
@@ -117,7 +120,7 @@ def _section(section: str, device: torch.device, mode: str) -> Iterator[Result]:
         yield result
 
 
-def _release(device: torch.device, after: str | None = None) -> Result | None:
+def _release(device: torch.device, section: str, after: str) -> Result | None:
     """Free what the checks left cached (the child processes of later checks size their pools from free memory);
     on a CUDA context that failed, a FAIL naming the check `after` it (and LOST set)."""
     gc.collect()
@@ -128,8 +131,8 @@ def _release(device: torch.device, after: str | None = None) -> Result | None:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
     except Exception as error:  # noqa: BLE001 (a failed context raises on every later call)
-        LOST.append(after or "the previous section")
-        return _failure("kernels", f"the CUDA context, after {LOST[0]}", error, start, {})
+        LOST.append(after)
+        return _failure(section, f"the CUDA context, after {LOST[0]}", error, start, {})
     return None
 
 
@@ -192,7 +195,7 @@ def kernel_results(device: torch.device, mode: str) -> Iterator[Result]:
             finite = math.isfinite(m.error)  # (JSON has no infinity)
             return detail, m.error <= m.limit, {"worst_error": m.error if finite else None, "limit": m.limit}
         yield _guarded("kernels", f"{kernel} {case}", measured, kernel=kernel)
-        lost = _release(device, f"{kernel} {case}")
+        lost = _release(device, "kernels", f"{kernel} {case}")
         if lost is not None:
             yield lost
             return
